@@ -1,0 +1,52 @@
+"""Knowledge-distillation loss and a small training loop shared by search, Minitron++ and recovery.
+
+Legend: B batch, T tokens, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+
+def kd_loss(student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Forward KL(teacher || student) on softened logits, mean over tokens, scaled by T^2.
+
+    ``T^2 * mean_t sum_v p_t(v) * (log p_t(v) - log q_t(v))`` with ``p = softmax(z_teacher/T)``,
+    ``q = softmax(z_student/T)``.
+    """
+    t = temperature
+    log_q = F.log_softmax(student_logits_BTV.float() / t, dim=-1)
+    log_p = F.log_softmax(teacher_logits_BTV.float() / t, dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    return kl.mean() * t * t
+
+
+def lm_loss(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy (mean over the B*(T-1) predicted tokens)."""
+    return F.cross_entropy(logits_BTV[:, :-1].reshape(-1, logits_BTV.shape[-1]).float(), input_ids_BT[:, 1:].reshape(-1))
+
+
+def kd_train(
+    student: torch.nn.Module,
+    teacher_logits: Callable[[torch.Tensor], torch.Tensor],
+    student_logits: Callable[[torch.Tensor], torch.Tensor],
+    batches: Iterable[torch.Tensor],
+    lr: float,
+    temperature: float = 1.0,
+) -> list[float]:
+    """Plain PyTorch KD steps (Adam) over ``batches``; returns the loss per step."""
+    params = [p for p in student.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=lr)
+    losses = []
+    for x in batches:
+        with torch.no_grad():
+            t = teacher_logits(x)
+        loss = kd_loss(student_logits(x), t, temperature)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses
