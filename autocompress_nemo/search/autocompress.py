@@ -147,8 +147,8 @@ def run_router_search(
         row = {
             "step": step,
             "tau": tau,
-            "kd": float(kd),
-            "penalty": float(pen),
+            "kd": float(kd.detach()),
+            "penalty": float(pen.detach()) if torch.is_tensor(pen) else float(pen),
             "entropy": router.entropy(),
             **{f"expected_{m}": float(exp[m]) for m in budgets},
             **{f"budget_{m}": b for m, b in budgets.items()},

