@@ -84,6 +84,9 @@ class EngineConfig:
     """Timing repeats per profiled model (robust statistic over them)."""
     percentile: float = 10.0
     """Low percentile used as the robust timing statistic."""
+    tensor_parallel: int = 1
+    """Tensor-parallel size the engine serves with (GPUs per model instance); the rest of
+    ``hardware.device_count`` serve data-parallel replicas."""
     settings: dict[str, Any] = field(default_factory=dict)
     capabilities: EngineCapabilities = field(default_factory=EngineCapabilities)
 
@@ -267,6 +270,43 @@ class ClusterConfig:
     container_mounts: list[str] = field(default_factory=list)
     time_limits: dict[str, str] = field(default_factory=dict)
     """Per-stage Slurm time limits, e.g. ``{search: "04:00:00"}``."""
+    # -- added for the scale path (issue 7, plan/layout.py, launchers/, slurm/) --------------
+    gpu: str = ""
+    """GPU model of the cluster's nodes (``H100-SXM-80GB``, ``B200``), for plans and logs."""
+    gpu_memory_bytes: int = 0
+    """Memory of one GPU in bytes; the dry run checks every stage's per-GPU estimate against it
+    (0 = unknown, no check)."""
+    etp: int = 0
+    """Expert tensor parallel size (Megatron ``expert_tensor_parallel_size``); 0 = same as ``tp``."""
+    stage_layouts: dict[str, Any] = field(default_factory=dict)
+    """Per-stage overrides of the layout fields above, e.g. ``{distill: {tp: 4, ep: 8}}``.
+    Keys of each entry: nodes, gpus_per_node, tp, pp, ep, etp, cp, sequence_parallel."""
+    micro_batch_size: int = 1
+    """Sequences per GPU per forward pass; the global batch (search/distill ``batch_size``)
+    is reached by gradient accumulation, so this changes memory, not results."""
+    recompute: str = "selective"
+    """Activation recomputation: ``none``, ``selective`` (norms, activation functions and core
+    attention recomputed) or ``full`` (only block inputs kept)."""
+    distributed_optimizer: bool = True
+    """Shard fp32 master weights and Adam states over data-parallel ranks (Megatron)."""
+    requeue: bool = True
+    """Requeue the job on preemption / before the time limit; stages resume from checkpoints."""
+    signal_seconds: int = 300
+    """Seconds before the time limit at which Slurm sends USR1 (``--signal=B:USR1@N``)."""
+    max_requeues: int = 5
+    """Give up after this many requeues (a job that never makes progress stops)."""
+    qos: str = ""
+    constraint: str = ""
+    log_dir: str = ""
+    """Where Slurm writes ``<job>-<id>.out/.err`` ("" = ``<run_dir>/logs/slurm``)."""
+    master_port: int = 29500
+    """torchrun rendezvous port on the first node."""
+    container_workdir: str = "/workspace/autocompress-nemo"
+    """Project directory inside the container (the repository is mounted there)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables exported in the job script (NCCL settings, caches)."""
+    sbatch_extra: list[str] = field(default_factory=list)
+    """Extra ``#SBATCH`` lines, verbatim without the prefix, e.g. ``--exclusive``."""
 
 
 @dataclass

@@ -50,3 +50,28 @@ def kd_train(
         opt.step()
         losses.append(float(loss))
     return losses
+
+
+def hidden_state_loss(student_hidden: list[torch.Tensor], teacher_hidden: list[torch.Tensor]) -> torch.Tensor:
+    """Normalized mean-squared error between matched hidden states, averaged over the pairs.
+
+    For each pair ``(h_s, h_t)`` (same shape, e.g. ``[T, B, H]``):
+    ``sum((h_s - h_t)^2) / sum(h_t^2)`` — the relative squared error, so layers whose
+    residual stream has grown large do not dominate; the result is the mean over pairs.
+    """
+    if len(student_hidden) != len(teacher_hidden) or not student_hidden:
+        raise ValueError(
+            f"hidden_state_loss: {len(student_hidden)} student and {len(teacher_hidden)} teacher hidden states; "
+            "need the same, non-zero number"
+        )
+    total = student_hidden[0].new_zeros((), dtype=torch.float32)
+    for h_s, h_t in zip(student_hidden, teacher_hidden, strict=True):
+        if h_s.shape != h_t.shape:
+            raise ValueError(
+                f"hidden_state_loss: student hidden {tuple(h_s.shape)} vs teacher {tuple(h_t.shape)}; the "
+                "intermediate loss needs the same hidden size (set distill.intermediate_weight=0 when the "
+                "hidden size was pruned)"
+            )
+        h_t = h_t.detach().float()
+        total = total + (h_s.float() - h_t).pow(2).sum() / h_t.pow(2).sum().clamp_min(1e-12)
+    return total / len(student_hidden)

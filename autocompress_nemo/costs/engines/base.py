@@ -1,0 +1,209 @@
+"""One small interface every serving engine implements (DESIGN.md section 3, "Cost model").
+
+An engine adapter can tell whether it serves an ArchSpec (``check_servable``) and measure
+a model of that spec under a workload (``measure``): prefill time for the workload's input
+length, time per decode step at the workload's decode context and batch, and memory by
+part as the engine itself reports it. Raw timings and their spread travel with the result.
+
+The *decode context* is the KV length a decode step sees. Unless the engine settings say
+otherwise (``decode_context: full``) it is the mean position over the response,
+``input_len + output_len // 2``: then ``ttft + output_len * tpot`` estimates the
+response latency of the workload. Memory is always sized for ``context_len`` x ``batch``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
+
+MEMORY_PARTS = ("weights", "kv", "compute", "output", "state")
+
+
+@dataclass
+class Workload:
+    batch: int = 1
+    input_len: int = 256
+    output_len: int = 64
+    context_len: int = 1024
+
+    @classmethod
+    def from_config(cls, w: Any) -> Workload:
+        return cls(int(w.batch), int(w.input_len), int(w.output_len), int(w.context_len))
+
+    def decode_context(self, mode: str = "mean") -> int:
+        """KV length seen by a timed decode step: ``input_len + output_len // 2`` ("mean") or ``context_len - 1``."""
+        if mode == "full":
+            return self.context_len - 1
+        if mode != "mean":
+            raise ValueError(f"decode_context must be 'mean' or 'full', got {mode!r}")
+        return min(self.input_len + self.output_len // 2, self.context_len - 1)
+
+
+def robust(samples: list[float], percentile: float) -> float:
+    """The robust timing statistic: the ``percentile``-th percentile (low: drift on a shared machine only adds)."""
+    return float(np.percentile(np.asarray(samples, dtype=np.float64), percentile))
+
+
+def spread(samples: list[float]) -> dict[str, float]:
+    a = np.asarray(samples, dtype=np.float64)
+    return {"n": int(a.size), "min": float(a.min()), "p10": float(np.percentile(a, 10)),
+            "median": float(np.median(a)), "max": float(a.max()),
+            "rel_iqr": float((np.percentile(a, 75) - np.percentile(a, 25)) / max(np.median(a), 1e-12))}
+
+
+@dataclass
+class Measurement:
+    """What one engine run of one model reports.
+
+    ``prefill_ms``: one prefill of ``input_len`` tokens x ``batch`` sequences.
+    ``decode_ms``: one decode step of ``batch`` sequences at ``decode_context``.
+    ``memory``: bytes by part (weights, kv, compute, output, state) as the engine reports them.
+    """
+
+    prefill_ms: float
+    decode_ms: float
+    memory: dict[str, float]
+    raw: dict[str, list[float]] = field(default_factory=dict)
+    spread: dict[str, dict[str, float]] = field(default_factory=dict)
+    estimated: bool = False
+    """True when no engine ran (roofline): every number is "estimated, not measured"."""
+    wall_s: float = 0.0
+
+    @property
+    def memory_bytes(self) -> float:
+        return float(sum(self.memory.values()))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["memory_bytes"] = self.memory_bytes
+        return d
+
+
+def _cap(caps: Any, name: str, default: Any = False) -> Any:
+    if caps is None:
+        return default
+    return caps.get(name, default) if isinstance(caps, dict) else getattr(caps, name, default)
+
+
+def capability_problems(spec: ArchSpec, caps: Any, parent: ArchSpec | None = None) -> list[str]:
+    """Reasons ``spec`` violates the declared capabilities (empty list: servable).
+
+    When ``parent`` is given, per-block differences are judged against it (vary_* flags);
+    otherwise against the first block of each kind.
+    """
+    out: list[str] = []
+    kinds = set(_cap(caps, "block_kinds", ["attention", "mlp"]))
+    for k in sorted(spec.kinds() - kinds):
+        out.append(f"block kind {k!r} is not served (engine runs {sorted(kinds)})")
+    ref: dict[str, Any] = {}
+    for b in (parent.blocks if parent else spec.blocks):
+        if not b.removed:
+            ref.setdefault(b.kind, b)
+    align = int(_cap(caps, "ffn_align", 1)) or 1
+    for i, b in enumerate(spec.blocks):
+        r = ref.get(b.kind)
+        if isinstance(b, AttentionBlock):
+            if b.removed:
+                if not _cap(caps, "remove_attention"):
+                    out.append(f"block {i}: removed attention is not served (remove_attention=False)")
+                continue
+            if r is not None and b.num_heads != r.num_heads and not _cap(caps, "vary_query_heads"):
+                out.append(f"block {i}: {b.num_heads} query heads differ from the parent's {r.num_heads} "
+                           "(vary_query_heads=False: per-layer query heads are not served)")
+            if r is not None and b.num_kv_groups != r.num_kv_groups and not _cap(caps, "vary_kv_groups"):
+                out.append(f"block {i}: {b.num_kv_groups} KV groups differ from the parent's {r.num_kv_groups} "
+                           "(vary_kv_groups=False)")
+            if r is not None and b.head_dim != r.head_dim:
+                out.append(f"block {i}: head_dim {b.head_dim} differs from {r.head_dim} (one head_dim per model)")
+        elif isinstance(b, MlpBlock):
+            if b.removed:
+                if not _cap(caps, "remove_mlp"):
+                    out.append(f"block {i}: removed mlp is not served (remove_mlp=False)")
+                continue
+            if r is not None and b.ffn != r.ffn and not _cap(caps, "vary_ffn"):
+                out.append(f"block {i}: ffn {b.ffn} differs from {r.ffn} (vary_ffn=False)")
+            if b.ffn % align and (r is None or b.ffn != r.ffn):
+                out.append(f"block {i}: ffn {b.ffn} is not a multiple of ffn_align={align}")
+        elif b.removed and not _cap(caps, f"remove_{b.kind}"):
+            out.append(f"block {i}: removed {b.kind} is not served (remove_{b.kind}=False)")
+    if spec.is_dense_layered():
+        layers = spec.layers()
+        if _cap(caps, "first_block_full") and layers and layers[0][0].removed:
+            out.append("layer 0 has no attention (first_block_full: llama.cpp deci fails to load it)")
+        if _cap(caps, "last_block_full") and layers and layers[-1][1].removed:
+            out.append(f"layer {len(layers) - 1} (last) has no ffn (last_block_full: llama.cpp deci crashes)")
+        if _cap(caps, "attention_needs_ffn"):
+            for j, (a, m) in enumerate(layers):
+                if not a.removed and m.removed:
+                    out.append(f"layer {j}: attention without ffn (attention_needs_ffn: llama.cpp deci "
+                               "drops the attention output)")
+        if all(a.removed for a, _ in layers) and "attention" in kinds:
+            out.append("no layer keeps attention (the engine cannot create a context)")
+    return out
+
+
+class Engine:
+    """Base class of the engine adapters.
+
+    ``cfg`` is the target's ``engine`` section (``config/schema.py::EngineConfig``),
+    ``hardware`` its ``hardware`` section. Subclasses implement ``measure`` and may add
+    engine-specific checks to ``check_servable``.
+    """
+
+    name = "base"
+    estimated = False
+
+    def __init__(self, cfg: Any, hardware: Any = None) -> None:
+        self.cfg = cfg
+        self.hardware = hardware
+
+    @property
+    def capabilities(self) -> Any:
+        return self.cfg.capabilities
+
+    def setting(self, key: str, default: Any) -> Any:
+        s = getattr(self.cfg, "settings", None) or {}
+        return s.get(key, default) if hasattr(s, "get") else default
+
+    def check_servable(self, spec: ArchSpec, parent: ArchSpec | None = None) -> list[str]:
+        """Reasons ``spec`` cannot be served (empty: servable)."""
+        return capability_problems(spec, self.capabilities, parent)
+
+    def require_servable(self, spec: ArchSpec, parent: ArchSpec | None = None) -> None:
+        problems = self.check_servable(spec, parent)
+        if problems:
+            raise ValueError(f"{self.name} cannot serve {spec.name or 'this model'}: " + "; ".join(problems))
+
+    def measure(self, spec: ArchSpec, workload: Workload, weights: dict[str, np.ndarray] | None = None) -> Measurement:
+        raise NotImplementedError
+
+    def measure_many(self, specs: list[ArchSpec], workload: Workload, *, rounds: int | None = None,
+                     log: Any = None) -> list[Measurement]:
+        """Measure several models (engines that can interleave rounds override this)."""
+        return [self.measure(s, workload) for s in specs]
+
+    def version(self) -> str:
+        return ""
+
+    def device(self) -> str:
+        hw = self.hardware
+        return str(getattr(hw, "device", "") or platform.processor() or platform.machine()) if hw else platform.machine()
+
+    def provenance(self) -> dict[str, Any]:
+        """Engine-side provenance fields of a cost table."""
+        return {
+            "engine": self.name,
+            "engine_version": self.version(),
+            "device": self.device(),
+            "threads": int(getattr(self.cfg, "threads", 0)),
+            "dtype": str(self.cfg.dtype),
+            "kv_dtype": str(getattr(self.cfg, "kv_dtype", "f16")),
+            "flash_attn": bool(getattr(self.cfg, "flash_attn", True)),
+            "estimated": self.estimated,
+        }

@@ -1,0 +1,149 @@
+"""Serving memory as small pure functions: weights, KV cache, SSM state, workspace, buffers.
+
+Legend as in ``arch/counts.py`` (h hidden, V vocab, H/G/d heads/KV groups/head dim, F ffn,
+Hm/Pm/N/Gm/K Mamba). ``B`` batch (concurrent sequences), ``C`` context length, ``b(t)``
+bytes per element of dtype ``t``.
+
+Total serving memory (what a memory budget constrains)::
+
+    M = W (weights) + KV (B*C tokens) + S (SSM state, B sequences) + workspace + buffers
+
+W and KV/S follow from the shapes; workspace (the engine's activation peak, llama.cpp's
+"compute buffer") and runtime buffers (llama.cpp's "output buffer": logits for B
+sequences) are engine constants, calibrated from what the engine reports while profiling
+(``costs/profiler.py``) and stored in the cost table.
+"""
+
+from __future__ import annotations
+
+import math
+
+from autocompress_nemo.arch.counts import (
+    block_params,
+    kv_bytes_per_token,
+    mamba_conv_dim,
+    ssm_state_bytes_per_sequence,
+)
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MambaBlock, MlpBlock, MoeBlock
+
+# (elements per block, bytes per block) of GGML storage types (as ggml-common.h defines them)
+GGML_BLOCK: dict[str, tuple[int, int]] = {
+    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2),
+    "q8_0": (32, 34),   # 32 int8 + one f16 scale
+    "q4_0": (32, 18),   # 32 4-bit + one f16 scale
+    "q4_1": (32, 20),   # 32 4-bit + f16 scale + f16 min
+    "q5_0": (32, 22), "q5_1": (32, 24),
+    "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
+    "fp8": (1, 1), "int8": (1, 1),
+}
+
+
+def bytes_per_element(dtype: str) -> float:
+    """``bytes_per_block / elements_per_block``: f16 2, f32 4, q8_0 34/32, q4_0 18/32, q4_1 20/32."""
+    key = dtype.lower()
+    if key not in GGML_BLOCK:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(GGML_BLOCK)}")
+    n, nbytes = GGML_BLOCK[key]
+    return nbytes / n
+
+
+def tensor_bytes(n_elements: int, dtype: str) -> int:
+    """Storage of one tensor: ``ceil(n / block) * block_bytes`` (rows are whole blocks in GGUF)."""
+    n, nbytes = GGML_BLOCK[dtype.lower()]
+    return math.ceil(n_elements / n) * nbytes
+
+
+def small_params(b: Block, hidden: int) -> int:
+    """Parameters kept in F32 by GGUF writers: norm vectors and Mamba's per-head scalars.
+
+    attention / mlp / moe: ``h`` (input norm); mamba: ``h + Hm*Pm (gated norm) + 3*Hm
+    (dt_bias, A_log, D) + conv_dim (conv bias)``. 0 when removed.
+    """
+    if b.removed:
+        return 0
+    if isinstance(b, MambaBlock):
+        return hidden + b.d_inner + 3 * b.num_heads + mamba_conv_dim(b)
+    return hidden
+
+
+def block_weight_bytes(b: Block, hidden: int, dtype: str, norm_dtype: str = "f32", active: bool = False) -> float:
+    """Weights of one block: ``(P - p_small) * b(dtype) + p_small * b(norm_dtype)``.
+
+    ``P = block_params`` (arch/counts.py), ``p_small = small_params`` (norms and scalars,
+    stored F32 in GGUF; pass ``norm_dtype=dtype`` for engines that store all in one dtype).
+    """
+    p = block_params(b, hidden, active=active)
+    s = small_params(b, hidden)
+    return (p - s) * bytes_per_element(dtype) + s * bytes_per_element(norm_dtype)
+
+
+def embedding_weight_bytes(spec: ArchSpec, dtype: str, norm_dtype: str = "f32") -> float:
+    """Embedding ``V*h``, LM head ``V*h`` when untied, final norm ``h``:
+    ``V*h*(1 or 2)*b(dtype) + h*b(norm_dtype)``."""
+    n = spec.vocab * spec.hidden * (1 if spec.tied_embeddings else 2)
+    return n * bytes_per_element(dtype) + spec.hidden * bytes_per_element(norm_dtype)
+
+
+def weight_bytes(spec: ArchSpec, dtype: str, norm_dtype: str = "f32") -> float:
+    """All weights: ``embedding_weight_bytes + sum over blocks of block_weight_bytes``."""
+    return embedding_weight_bytes(spec, dtype, norm_dtype) + sum(
+        block_weight_bytes(b, spec.hidden, dtype, norm_dtype) for b in spec.blocks
+    )
+
+
+def block_kv_bytes(b: Block, context: int, batch: int, kv_dtype: str) -> float:
+    """KV cache of one attention block at full context: ``2 * G * d * C * B * b(kv)`` (K and V); else 0."""
+    if not isinstance(b, AttentionBlock) or b.removed:
+        return 0.0
+    return 2 * b.num_kv_groups * b.head_dim * context * batch * bytes_per_element(kv_dtype)
+
+
+def kv_cache_bytes(spec: ArchSpec, context: int, batch: int, kv_dtype: str) -> float:
+    """Whole KV cache: ``kv_bytes_per_token(spec) * C * B`` = sum of ``block_kv_bytes``."""
+    return kv_bytes_per_token(spec, bytes_per_element(kv_dtype)) * context * batch
+
+
+def block_state_bytes(b: Block, batch: int, state_dtype: str) -> float:
+    """Mamba state of one block per ``B`` sequences, constant in context:
+    ``(Hm*Pm*N + conv_dim*(K-1)) * B * b(state)``; 0 for other kinds."""
+    if not isinstance(b, MambaBlock) or b.removed:
+        return 0.0
+    return (b.num_heads * b.head_dim * b.state_size + mamba_conv_dim(b) * (b.conv_kernel - 1)) * batch * \
+        bytes_per_element(state_dtype)
+
+
+def ssm_state_bytes(spec: ArchSpec, batch: int, state_dtype: str) -> float:
+    """All Mamba state: ``ssm_state_bytes_per_sequence(spec) * B``."""
+    return ssm_state_bytes_per_sequence(spec, bytes_per_element(state_dtype)) * batch
+
+
+def output_buffer_bytes(vocab: int, batch: int, logits_bytes: int = 4) -> int:
+    """Logits of the last token of every sequence: ``V * B * 4`` (f32); llama.cpp adds small padding,
+    so the table stores the value it reports."""
+    return vocab * batch * logits_bytes
+
+
+def block_memory_bytes(b: Block, hidden: int, *, dtype: str, kv_dtype: str, context: int, batch: int,
+                       norm_dtype: str = "f32", state_dtype: str = "f32") -> float:
+    """The additive memory of one block: its weights + its KV (attention) or state (Mamba)
+    at full context ``C`` and batch ``B``."""
+    return (block_weight_bytes(b, hidden, dtype, norm_dtype) + block_kv_bytes(b, context, batch, kv_dtype)
+            + block_state_bytes(b, batch, state_dtype))
+
+
+def workspace_estimate(spec: ArchSpec, tokens: int, bytes_act: int = 4) -> float:
+    """Uncalibrated activation peak of one forward over ``tokens`` tokens (used only when no
+    engine reported its workspace, e.g. roofline planning):
+    ``tokens * max(V, 2*F_max + h, H_max*d + 2*G_max*d) * b(act)``.
+    The logits ``tokens x V`` usually dominate (llama.cpp reserves for ``n_ubatch`` outputs)."""
+    widths = [spec.vocab]
+    for b in spec.blocks:
+        if isinstance(b, MlpBlock):
+            widths.append(2 * b.ffn + spec.hidden)
+        elif isinstance(b, MoeBlock):
+            widths.append(2 * max(b.expert_ffn, b.shared_ffn) + spec.hidden)
+        elif isinstance(b, AttentionBlock):
+            widths.append((b.num_heads + 2 * b.num_kv_groups) * b.head_dim)
+        elif isinstance(b, MambaBlock):
+            widths.append(2 * b.d_inner + 2 * b.num_groups * b.state_size)
+    return float(tokens * max(widths) * bytes_act)

@@ -1,0 +1,219 @@
+"""Build a cost table by profiling short models inside the real engine (DESIGN.md section 3).
+
+Profiling models
+----------------
+Every profiling model is ``[full, X * k, full]``: the parent's full layer first and last
+(which keeps llama.cpp ``deci`` away from its broken layouts: a first layer without
+attention, a last layer without ffn) and ``k`` copies of one layer configuration ``X``.
+With ``k1`` and ``k2`` copies the slope ``(T(k2) - T(k1)) / (k2 - k1)`` is the cost of one
+``X`` layer in each phase. By default ``k1 = 0`` — the base model ``[full, full]``, shared
+by all options — and ``k2 = L - 2`` (``L`` = parent layers): profiling models then have the
+parent's depth, so cache and scheduling conditions match the models being predicted and the
+error of the base measurement cancels in predictions of parent-depth models.
+
+Independent options, profiled once
+----------------------------------
+A layer is (attention option A, ffn option F); its cost is modelled as
+``c_empty + c_attn(A) + c_ffn(F)`` (``c_empty``: an empty layer, both blocks removed).
+The table grows with the number of options, not their product:
+
+- ``c_empty``  = slope of ``(removed, removed)`` layers (when the engine can remove both);
+- ``c_ffn(F)`` = slope of ``(A_f, F)`` - ``c_empty`` - ``c_attn(A_f)``, where ``A_f`` is a
+  removed attention when the engine allows it (ffn-only layers, ``c_attn = 0``), else the
+  parent's attention, whose cost is then defined as 0 (an arbitrary split: every layer has
+  one attention, so sums are unaffected);
+- ``c_attn(A)`` = slope of ``(A, F_r)`` - ``c_empty`` - ``c_ffn(F_r)`` with a reference ffn
+  ``F_r`` (the smallest ffn option, so that its measured cost, subtracted, is small).
+
+The intercept is the overhead outside the blocks (embedding, LM head, sampling, scheduling):
+``T(base) - 2 * (c_empty + c_attn(A_p) + c_ffn(F_p))``; the table's constant per model is
+``intercept + L * c_empty``.
+
+Option grid: ffn widths ``F_p * i / n`` snapped down to ``ffn_align`` (``n`` =
+``engine.settings.ffn_grid`` or ``search.ffn_options``), other widths interpolate;
+attention (KV groups, heads per group) as the capabilities allow; removed blocks where allowed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
+from autocompress_nemo.costs.engines.base import Engine, Measurement, Workload, _cap
+from autocompress_nemo.costs.memory import weight_bytes
+from autocompress_nemo.costs.table import PHASES, CostTable, make_provenance
+
+Layer = tuple[AttentionBlock, MlpBlock]
+
+
+def ffn_grid(parent_ffn: int, n: int, align: int, vary: bool) -> list[int]:
+    """``{F_p} U {floor(F_p*i/n / align)*align : i=1..n-1}`` (nonzero), ascending; ``[F_p]`` when ffn cannot vary."""
+    if not vary:
+        return [parent_ffn]
+    align = max(1, int(align))
+    out = {parent_ffn}
+    for i in range(1, max(1, n)):
+        w = (parent_ffn * i // n) // align * align
+        if w > 0:
+            out.add(w)
+    return sorted(out)
+
+
+def attention_grid(parent: AttentionBlock, caps: Any) -> list[AttentionBlock]:
+    """Attention options: ``(g * q heads, g groups)`` for ``g <= G``, ``q <= H/G`` when both vary;
+    only ``g`` (query heads fixed, ``g`` dividing ``H``) when query heads cannot vary."""
+    g_max, hpg, h = parent.num_kv_groups, parent.heads_per_group, parent.num_heads
+    vary_g, vary_q = _cap(caps, "vary_kv_groups"), _cap(caps, "vary_query_heads")
+    opts = set()
+    for g in range(1, g_max + 1) if vary_g else [g_max]:
+        if vary_q:
+            opts.update(AttentionBlock(g * q, g, parent.head_dim) for q in range(1, hpg + 1))
+        elif h % g == 0:
+            opts.add(AttentionBlock(h, g, parent.head_dim))
+    opts.add(parent)
+    return sorted(opts, key=lambda b: (b.num_heads, b.num_kv_groups))
+
+
+@dataclass
+class Plan:
+    """The profiling models to run: name -> (layer configuration X, k)."""
+
+    full: Layer
+    empty: Layer | None
+    ffn_ref_attention: AttentionBlock
+    ffn_ref: MlpBlock
+    ffn_options: list[MlpBlock]
+    attention_options: list[AttentionBlock]
+    k1: int
+    k2: int
+
+    def layers(self) -> dict[str, Layer]:
+        """Distinct layer configurations to profile, by name."""
+        out: dict[str, Layer] = {}
+        if self.empty is not None:
+            out["empty"] = self.empty
+        for m in self.ffn_options:
+            out[f"ffn{m.ffn}"] = (self.ffn_ref_attention, m)
+        for a in self.attention_options:
+            key = (a, self.ffn_ref)
+            if key not in out.values():
+                out[f"attn{a.num_heads}h{a.num_kv_groups}g"] = key
+        return out
+
+
+def make_plan(parent: ArchSpec, caps: Any, ffn_points: int, k1: int = 0, k2: int | None = None) -> Plan:
+    layers = parent.layers()
+    a_p, m_p = layers[0]
+    if any(layer != (a_p, m_p) for layer in layers):
+        raise ValueError("profiling needs a uniform parent (every layer the same shape); "
+                         f"got {parent.name or 'a heterogeneous parent'}")
+    ffns = [MlpBlock(f, m_p.activation) for f in ffn_grid(m_p.ffn, ffn_points, _cap(caps, "ffn_align", 1),
+                                                           _cap(caps, "vary_ffn"))]
+    can_rm_attn = bool(_cap(caps, "remove_attention"))
+    removed_attn = AttentionBlock(0, 0, a_p.head_dim)
+    empty = (removed_attn, MlpBlock(0, m_p.activation)) if can_rm_attn and _cap(caps, "remove_mlp") else None
+    k2 = k2 if k2 is not None else max(1, len(layers) - 2)
+    if not 0 <= k1 < k2:
+        raise ValueError(f"profiling needs 0 <= k1 < k2, got k1={k1}, k2={k2}")
+    return Plan(full=(a_p, m_p), empty=empty, ffn_ref_attention=removed_attn if can_rm_attn else a_p,
+                ffn_ref=ffns[0], ffn_options=ffns, attention_options=attention_grid(a_p, caps), k1=k1, k2=k2)
+
+
+def profile_spec(parent: ArchSpec, full: Layer, x: Layer, k: int, name: str) -> ArchSpec:
+    blocks = [*full] + [*x] * k + [*full]
+    return parent.replace(blocks=tuple(blocks), name=name)
+
+
+def build_table(
+    engine: Engine,
+    parent: ArchSpec,
+    workload: Workload,
+    *,
+    ffn_points: int = 8,
+    k1: int | None = None,
+    k2: int | None = None,
+    log: Callable[[str], None] | None = None,
+) -> CostTable:
+    """Profile every option of ``parent`` in ``engine`` under ``workload`` and return the table."""
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    k1 = int(engine.setting("profile_k1", 0)) if k1 is None else k1
+    k2_set = engine.setting("profile_k2", "auto") if k2 is None else k2
+    plan = make_plan(parent, engine.capabilities, int(engine.setting("ffn_grid", ffn_points)), k1,
+                     None if k2_set in (None, "auto") else int(k2_set))
+    jobs: list[tuple[str, Layer, int]] = [("base", plan.full, 0)]
+    for name, x in plan.layers().items():
+        if plan.k1:
+            jobs.append((f"{name}_k{plan.k1}", x, plan.k1))
+        jobs.append((f"{name}_k{plan.k2}", x, plan.k2))
+    t_start = time.time()
+    specs = [profile_spec(parent, plan.full, x, k, name) for name, x, k in jobs]
+    log(f"[profile] {len(jobs)} profiling models ({len(plan.ffn_options)} ffn, {len(plan.attention_options)} "
+        f"attention options, k1={plan.k1}, k2={plan.k2}); engine {engine.name}, workload {workload}")
+    for i, (name, x, k) in enumerate(jobs):
+        log(f"  model {i + 1}/{len(jobs)} {name}: {x[0].num_heads}h/{x[0].num_kv_groups}g ffn {x[1].ffn} x{k} "
+            "between full layers")
+    done = [0]
+    total = len(jobs) * int(engine.setting("rounds", 4))
+
+    def progress(msg: str) -> None:
+        done[0] += 1
+        el = time.time() - t_start
+        log(f"[profile {done[0]}/{total}] timing{msg[msg.index(':'):]} "
+            f"({total - done[0]} runs remain, ~{el / done[0] * (total - done[0]):.0f} s left)")
+
+    results = engine.measure_many(specs, workload, log=progress)
+    meas: dict[str, Measurement] = {}
+    runs: list[dict[str, Any]] = []
+    for (name, x, k), m in zip(jobs, results, strict=True):
+        meas[name] = m
+        runs.append({"name": name, "layer": [x[0].__dict__, x[1].__dict__], "k": k, "prefill_ms": m.prefill_ms,
+                     "decode_ms": m.decode_ms, "memory": m.memory, "raw": m.raw, "spread": m.spread,
+                     "wall_s": round(m.wall_s, 3)})
+        log(f"    {name}: prefill {m.prefill_ms:.3f} ms, decode {m.decode_ms:.4f} ms/step, "
+            f"memory {m.memory_bytes / 2**20:.2f} MiB")
+
+    def slope(name: str, phase: str) -> float:
+        lo = getattr(meas[f"{name}_k{plan.k1}"] if plan.k1 else meas["base"], phase)
+        return (getattr(meas[f"{name}_k{plan.k2}"], phase) - lo) / (plan.k2 - plan.k1)
+
+    names = {v: k for k, v in plan.layers().items()}
+    c_empty = {p: slope("empty", p) if plan.empty else 0.0 for p in PHASES}
+    c_ffn = {m: {p: slope(names[(plan.ffn_ref_attention, m)], p) - c_empty[p] for p in PHASES}
+             for m in plan.ffn_options}
+    c_attn = {a: {p: slope(names[(a, plan.ffn_ref)], p) - c_empty[p] - c_ffn[plan.ffn_ref][p] for p in PHASES}
+              for a in plan.attention_options}
+    a_p, m_p = plan.full
+    intercept = {p: meas["base"].__dict__[p] - 2 * (c_empty[p] + c_attn[a_p][p] + c_ffn[m_p][p]) for p in PHASES}
+    blocks = [{"block": m.__dict__, **c_ffn[m], "source": names[(plan.ffn_ref_attention, m)]} for m in plan.ffn_options]
+    blocks += [{"block": a.__dict__, **c_attn[a], "source": names[(a, plan.ffn_ref)]} for a in plan.attention_options]
+
+    base = meas["base"]
+    dtype = str(engine.cfg.dtype)
+    base_spec = profile_spec(parent, plan.full, plan.full, 0, "base")
+    memory = {
+        "output_bytes": base.memory.get("output", 0.0),
+        "compute_base_bytes": base.memory.get("compute", 0.0),
+        "compute_bytes": [{"block": b.__dict__, "bytes": meas[f"{names[x]}_k{plan.k2}"].memory.get("compute", 0.0)}
+                          for x in plan.layers().values() for b in x if not b.removed],
+        "weights_overhead_bytes": base.memory.get("weights", 0.0) - weight_bytes(base_spec, dtype),
+        "norm_dtype": "f32" if engine.name == "llama_cpp" else dtype,
+    }
+    settings = {k: v for k, v in dict(engine.cfg.settings or {}).items()}
+    settings.update({"percentile": float(engine.cfg.percentile), "k1": plan.k1, "k2": plan.k2})
+    prov = make_provenance(engine.provenance(), workload.__dict__,
+                           workload.decode_context(str(engine.setting("decode_context", "mean"))),
+                           expected_settings(engine.cfg), parent)
+    prov.update({"engine_runs": len(jobs), "profile_wall_s": round(time.time() - t_start, 2), "profile": settings})
+    return CostTable(provenance=prov, parent=parent, intercept=intercept, layer_overhead=c_empty, blocks=blocks,
+                     memory=memory, runs=runs)
+
+
+def expected_settings(engine_cfg: Any) -> dict[str, Any]:
+    """Engine settings that change what is measured (compared when a table is loaded)."""
+    s = dict(engine_cfg.settings or {})
+    keep = ("n_batch", "n_ubatch", "decode_context", "tensor_parallel", "max_num_seqs", "gpu_memory_utilization")
+    return {k: s[k] for k in keep if k in s}

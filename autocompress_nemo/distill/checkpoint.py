@@ -1,0 +1,140 @@
+"""Resumable distillation checkpoints, written atomically.
+
+Layout under ``<out_dir>/checkpoints``::
+
+    step_000050/mp_tp00_pp000.pt   model + optimizer (+ scheduler) + RNG states + history, one
+                                   file per model-parallel shard, written by DP rank 0 of each
+    latest.json                    {"step": 50, "dir": "step_000050", "tp": 1, "pp": 1, "fingerprint": ...}
+
+Every file is written to a temporary name and renamed into place; ``latest.json`` is
+written by rank 0 only after every shard of that step exists (a barrier), so a job killed
+at any moment leaves either the previous complete checkpoint or the new one, never a
+half one. Older step directories are removed after ``latest.json`` moves on.
+
+RNG states saved: Python ``random``, NumPy, torch CPU, CUDA (all devices, when present) and
+Megatron's tensor-parallel RNG tracker (when Megatron's parallel state is up).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from autocompress_nemo.distill.optim import Parallel
+from autocompress_nemo.utils.artifacts import write_json_atomic
+
+
+def rng_state() -> dict[str, Any]:
+    st: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    tracker = _megatron_tracker()
+    if tracker is not None:
+        st["megatron_tracker"] = tracker.get_states()
+    return st
+
+
+def set_rng_state(st: dict[str, Any]) -> None:
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+    tracker = _megatron_tracker()
+    if tracker is not None and "megatron_tracker" in st:
+        tracker.set_states(st["megatron_tracker"])
+
+
+def _megatron_tracker() -> Any:
+    try:
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        if not ps.model_parallel_is_initialized():
+            return None
+        return get_cuda_rng_tracker()
+    except Exception:  # noqa: BLE001 - no megatron: nothing to save
+        return None
+
+
+def _save_atomic(obj: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class CheckpointStore:
+    """Save / find / load the latest distillation checkpoint of this run."""
+
+    def __init__(self, root: str | os.PathLike[str], par: Parallel, fingerprint: dict[str, Any], keep: int = 2):
+        self.root = Path(root)
+        self.par = par
+        self.fingerprint = fingerprint
+        self.keep = max(1, keep)
+
+    @property
+    def shard_name(self) -> str:
+        return f"mp_tp{self.par.tp_rank:02d}_pp{self.par.pp_rank:03d}.pt"
+
+    def latest(self) -> dict[str, Any] | None:
+        p = self.root / "latest.json"
+        if not p.is_file():
+            return None
+        try:
+            return json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Write this rank's shard of step ``step`` and (rank 0) move ``latest.json`` to it."""
+        step_dir = self.root / f"step_{step:06d}"
+        if self.par.writes_checkpoint:
+            _save_atomic(state, step_dir / self.shard_name)
+        self.par.barrier()
+        if self.par.is_rank0:
+            write_json_atomic(self.root / "latest.json", {
+                "step": step, "dir": step_dir.name, "tp": self.par.tp_size, "pp": self.par.pp_size,
+                "dp": self.par.dp_size, "fingerprint": self.fingerprint,
+            })
+            old = sorted(d for d in self.root.glob("step_*") if d.is_dir() and d.name != step_dir.name)
+            for d in old[: max(0, len(old) - (self.keep - 1))]:
+                shutil.rmtree(d, ignore_errors=True)
+        self.par.barrier()
+        return step_dir
+
+    def load(self, log: Any = print) -> dict[str, Any] | None:
+        """This rank's shard of the latest checkpoint, or ``None`` (nothing to resume from).
+
+        A checkpoint of another configuration (different steps, batch, learning rate...) is
+        not resumed: the run starts over and says why. A checkpoint of another TP/PP layout
+        is an error that names the fix.
+        """
+        meta = self.latest()
+        if meta is None:
+            return None
+        if meta.get("fingerprint") != self.fingerprint:
+            log(f"distill: checkpoint {self.root} was written for another configuration "
+                f"({meta.get('fingerprint')} != {self.fingerprint}); starting from step 0")
+            return None
+        if (meta.get("tp"), meta.get("pp")) != (self.par.tp_size, self.par.pp_size):
+            raise ValueError(
+                f"distill checkpoint {self.root} was written with TP={meta.get('tp')} PP={meta.get('pp')}, this run "
+                f"has TP={self.par.tp_size} PP={self.par.pp_size}: resume with the same cluster.tp/cluster.pp, "
+                f"or delete {self.root} to start over"
+            )
+        path = self.root / meta["dir"] / self.shard_name
+        if not path.is_file():
+            raise FileNotFoundError(f"distill checkpoint {self.root / 'latest.json'} points to {path}, which is "
+                                    f"missing; delete {self.root} to start over")
+        return torch.load(path, map_location="cpu", weights_only=False)

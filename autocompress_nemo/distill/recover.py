@@ -1,0 +1,275 @@
+"""Recovery distillation of the extracted student from the parent (DESIGN.md section 4, "Distill").
+
+Legend: B batch, T tokens, V vocab, H hidden.
+
+Loss per step: ``kd_loss(student, teacher, T) + w * hidden_state_loss(...)`` — forward KL on
+logits at temperature ``T`` (``distill.temperature``) plus, when ``w =
+distill.intermediate_weight > 0``, the normalized MSE between the residual streams after
+matched layers (student layer ``i`` of ``L_s`` is matched with teacher layer
+``round((i + 1) * L_t / L_s) - 1``, i.e. layer for layer when the depths agree).
+
+Budget: ``steps = max(1, distill.tokens // (distill.batch_size * distill.seq_len))``.
+Data: ``batch_at(step)`` returns the step's *global* batch ``[B, T]`` and must be
+deterministic (the same tensor for the same step in every process and every run); each
+data-parallel rank takes its contiguous ``B / dp`` rows and gradients are averaged over DP,
+so a DP run follows the single-process run.
+
+Resume: checkpoints every ``distill.checkpoint_every`` steps (and at the end) hold model,
+optimizer, scheduler, step, RNG states and the per-step history; ``distill`` started again
+with the same ``out_dir`` continues from the latest one and reaches the same final weights
+as an uninterrupted run (bitwise on one process: same data, same order of operations).
+
+Contract: any ``torch.nn.Module`` pair plus ``forward(model, input_ids_BT) -> logits_BTV``
+(``models.builder.forward_logits`` for Megatron models). Under tensor parallelism the
+forward must return full-vocabulary logits on every TP rank (``forward_logits`` does).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autocompress_nemo.distill.checkpoint import CheckpointStore, rng_state, set_rng_state
+from autocompress_nemo.distill.kd import hidden_state_loss, kd_loss
+from autocompress_nemo.distill.monitor import Monitor
+from autocompress_nemo.distill.optim import Parallel, build_optimizer, opt_field
+from autocompress_nemo.utils.artifacts import write_json_atomic
+
+Forward = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+_log = logging.getLogger("autocompress.distill")
+
+
+def num_steps(cfg: Any) -> int:
+    """``max(1, tokens // (batch_size * seq_len))``."""
+    per_step = int(cfg.batch_size) * int(cfg.seq_len)
+    if per_step <= 0:
+        raise ValueError(f"distill.batch_size={cfg.batch_size} x distill.seq_len={cfg.seq_len} must be positive")
+    return max(1, int(cfg.tokens) // per_step)
+
+
+# ---------------------------------------------------------------------------------------------
+# intermediate (hidden-state) capture
+# ---------------------------------------------------------------------------------------------
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def find_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's sequence of layers: Megatron ``decoder.layers``, HF ``model.layers``, ``layers``."""
+    m = _unwrap(model)
+    for path in ("decoder.layers", "model.layers", "layers", "transformer.h"):
+        obj: Any = m
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, torch.nn.ModuleList | list) and len(obj):
+            return list(obj)
+    raise ValueError(f"{type(m).__name__} has no decoder.layers / model.layers / layers: the intermediate "
+                     "loss cannot find its layers; set distill.intermediate_weight=0")
+
+
+class HiddenCapture:
+    """Forward hooks that keep the output hidden state of chosen layers during one forward."""
+
+    def __init__(self, layers: list[torch.nn.Module]) -> None:
+        self.states: list[torch.Tensor] = []
+        self.handles = [layer.register_forward_hook(self._hook) for layer in layers]
+
+    def _hook(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        h = output[0] if isinstance(output, tuple | list) else output
+        self.states.append(_gather_sequence_parallel(module, h))
+
+    def take(self) -> list[torch.Tensor]:
+        out, self.states = self.states, []
+        return out
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _gather_sequence_parallel(module: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """Under Megatron sequence parallelism a layer's output holds this rank's T/tp slice:
+    gather it (backward: take the slice), so the loss is the same on every TP rank."""
+    cfg = getattr(module, "config", None)
+    if not getattr(cfg, "sequence_parallel", False):
+        return h
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    return gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False)
+
+
+def matched_layers(n_student: int, n_teacher: int) -> list[int]:
+    """Teacher layer index for each student layer: ``round((i + 1) * L_t / L_s) - 1``."""
+    return [max(0, round((i + 1) * n_teacher / n_student) - 1) for i in range(n_student)]
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------------
+def _fingerprint(cfg: Any, steps: int, seed: int, opt_name: str) -> dict[str, Any]:
+    keys = ("lr", "min_lr", "warmup_steps", "batch_size", "seq_len", "temperature", "intermediate_weight")
+    fp = {k: opt_field(cfg, k, None) for k in keys}
+    fp.update(steps=steps, seed=seed, optimizer=opt_name)
+    return {k: (float(v) if isinstance(v, float) else v) for k, v in fp.items()}
+
+
+def _local_rows(x_BT: torch.Tensor, par: Parallel, batch_size: int) -> torch.Tensor:
+    if x_BT.dim() != 2:
+        raise ValueError(f"batch_at(step) must return token ids [B, T], got shape {tuple(x_BT.shape)}")
+    if x_BT.shape[0] != batch_size:
+        raise ValueError(f"batch_at(step) returned {x_BT.shape[0]} sequences but distill.batch_size={batch_size}: "
+                         "the token budget assumes one global batch per step")
+    if batch_size % par.dp_size:
+        raise ValueError(f"distill.batch_size={batch_size} is not divisible by the data-parallel size "
+                         f"{par.dp_size}; choose a multiple of it")
+    n = batch_size // par.dp_size
+    return x_BT[par.dp_rank * n : (par.dp_rank + 1) * n]
+
+
+def distill(
+    student: torch.nn.Module,
+    teacher: torch.nn.Module,
+    forward: Forward,
+    batch_at: Callable[[int], torch.Tensor],
+    cfg: Any,
+    out_dir: str | Path,
+    seed: int,
+    *,
+    optimizer: str = "auto",
+    micro_batch_size: int | None = None,
+    log: Callable[[str], None] | None = None,
+    name: str = "distill",
+) -> dict[str, Any]:
+    """Recover ``student`` from ``teacher`` for ``cfg.tokens`` tokens; resumable from ``out_dir``.
+
+    ``cfg``: ``config.schema.DistillConfig`` (or any object with its fields; optional extras
+    ``weight_decay``, ``grad_clip``, ``adam_beta1/2``, ``adam_eps``). ``optimizer``: ``auto``
+    (Megatron's on CUDA for Megatron models, else ``torch.optim.AdamW``), ``torch``,
+    ``megatron``. ``micro_batch_size``: split each rank's rows into micro-batches with
+    gradient accumulation (same result, less activation memory).
+
+    Writes ``<out_dir>/checkpoints``, ``<out_dir>/tensorboard`` and (rank 0)
+    ``<out_dir>/distill_summary.json``. Returns: steps, tokens, tokens_this_run,
+    resumed_from_step, first_loss, final_loss, history (per step: step, loss, kd, hidden, lr,
+    grad_norm, tokens), tokens_per_s, wall_s, optimizer, checkpoint, tensorboard.
+    The student ends in eval mode with the final weights.
+    """
+    say = log or _log.info
+    out = Path(out_dir)
+    par = Parallel.detect()
+    if par.pp_size > 1:
+        raise ValueError("distill runs without pipeline parallelism (forward_logits needs every layer on one "
+                         "rank); set cluster.pp=1 (or cluster.stage_layouts.distill.pp=1)")
+    if par.is_rank0:
+        out.mkdir(parents=True, exist_ok=True)
+    steps = num_steps(cfg)
+    temperature = float(opt_field(cfg, "temperature", 1.0))
+    w_hidden = float(opt_field(cfg, "intermediate_weight", 0.0))
+
+    torch.manual_seed(seed)
+    teacher.eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    student.train()
+    opt = build_optimizer(optimizer, student, cfg, steps, par)
+    store = CheckpointStore(out / "checkpoints", par, _fingerprint(cfg, steps, seed, opt.name),
+                            keep=int(opt_field(cfg, "keep_checkpoints", 2)))
+
+    start, history = 0, []
+    state = store.load(log=say)
+    if state is not None:
+        student.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"])
+        start, history = int(state["step"]), list(state["history"])
+        say(f"{name}: resumed from step {start}/{steps} ({store.root})")
+
+    s_cap = t_cap = None
+    if w_hidden > 0:
+        s_layers, t_layers = find_layers(student), find_layers(teacher)
+        s_cap = HiddenCapture(s_layers)
+        t_cap = HiddenCapture([t_layers[j] for j in matched_layers(len(s_layers), len(t_layers))])
+
+    mon = Monitor(out, cfg, steps, start, enabled=par.is_rank0, name=name)
+    t0 = time.perf_counter()
+    tokens_run = 0
+    last_ckpt: Path | None = None
+    every = int(opt_field(cfg, "checkpoint_every", 0))
+    try:
+        for step in range(start, steps):
+            x_BT = batch_at(step)
+            rows_BT = _local_rows(x_BT, par, int(cfg.batch_size))
+            mb = micro_batch_size or rows_BT.shape[0]
+            opt.zero_grad()
+            kd_sum = hid_sum = 0.0
+            for i in range(0, rows_BT.shape[0], mb):
+                x = rows_BT[i : i + mb]
+                frac = x.shape[0] / rows_BT.shape[0]
+                with torch.no_grad():
+                    t_logits_BTV = forward(teacher, x)
+                s_logits_BTV = forward(student, x)
+                kd = kd_loss(s_logits_BTV, t_logits_BTV, temperature)
+                loss = kd
+                if s_cap is not None and t_cap is not None:
+                    hid = hidden_state_loss(s_cap.take(), t_cap.take())
+                    loss = loss + w_hidden * hid
+                    hid_sum += float(hid.detach()) * frac
+                (loss * frac).backward()
+                kd_sum += float(kd.detach()) * frac
+            grad_norm = opt.step(step)
+            kd_mean, hid_mean = par.mean_over_dp(kd_sum), par.mean_over_dp(hid_sum)
+            loss_mean = kd_mean + w_hidden * hid_mean
+            if not math.isfinite(loss_mean):
+                raise FloatingPointError(f"{name} step {step}: loss is {loss_mean}; lower distill.lr")
+            n_tok = int(x_BT.numel())
+            tokens_run += n_tok
+            row = {"step": step, "loss": loss_mean, "kd": kd_mean, "hidden": hid_mean, "lr": opt.lr,
+                   "grad_norm": grad_norm, "tokens": (history[-1]["tokens"] if history else 0) + n_tok}
+            history.append(row)
+            mon.update(row, n_tok)
+            done = step + 1
+            if done == steps or (every > 0 and done % every == 0):
+                last_ckpt = store.save(done, {"model": student.state_dict(), "optimizer": opt.state_dict(),
+                                              "rng": rng_state(), "step": done, "history": history})
+    finally:
+        mon.close()
+        if s_cap is not None and t_cap is not None:
+            s_cap.remove()
+            t_cap.remove()
+    wall = time.perf_counter() - t0
+    student.eval()
+    if last_ckpt is None:
+        meta = store.latest()
+        last_ckpt = store.root / meta["dir"] if meta else None
+    result = {
+        "steps": steps,
+        "tokens": history[-1]["tokens"] if history else 0,
+        "tokens_this_run": tokens_run,
+        "resumed_from_step": start,
+        "first_loss": history[0]["loss"] if history else None,
+        "final_loss": history[-1]["loss"] if history else None,
+        "history": history,
+        "tokens_per_s": tokens_run / wall if wall > 0 and tokens_run else 0.0,
+        "wall_s": wall,
+        "optimizer": opt.name,
+        "temperature": temperature,
+        "intermediate_weight": w_hidden,
+        "world": {"dp": par.dp_size, "tp": par.tp_size, "pp": par.pp_size},
+        "checkpoint": str(last_ckpt) if last_ckpt else None,
+        "tensorboard": str(out / "tensorboard"),
+    }
+    if par.is_rank0:
+        write_json_atomic(out / "distill_summary.json", {k: v for k, v in result.items() if k != "history"})
+    say(f"{name}: {steps} steps, {result['tokens']} tokens, loss {result['first_loss']} -> {result['final_loss']}, "
+        f"{result['tokens_per_s']:.0f} tok/s this run")
+    return result

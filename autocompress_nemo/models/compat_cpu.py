@@ -1,0 +1,216 @@
+"""The one place where megatron-core 0.19 is adapted to run on CPU with gloo.
+
+Megatron is written for CUDA. On a machine without a GPU driver a handful of its
+assumptions fail; each adaptation below is a small, named ``Patch`` with a comment saying
+what Megatron assumes and why replacing it is safe. ``apply()`` is idempotent and a
+no-op when CUDA is available (on GPU nothing is patched; the real code paths run).
+
+Later adaptations (MoE alltoall dispatcher streams, Mamba scan / norm stand-ins, DDP
+tensor factories) are added to ``PATCHES`` the same way.
+
+Besides the patches this module provides ``SequenceParallelTorchNorm``: Megatron's
+local (non Transformer-Engine) norm refuses ``sequence_parallel``; the builder uses this
+norm in the local spec instead (see its docstring).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    why: str
+    apply: Callable[[], None]
+
+
+_APPLIED: set[str] = set()
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+# -- 1. current device ---------------------------------------------------------------------
+# Megatron assumes: ``torch.cuda.current_device()`` names the device of every tensor it
+# allocates (tensor_parallel.layers / mappings / attention / rotary embedding).
+# Without a driver that call raises "Found no NVIDIA driver". Safe because: on a machine
+# with no CUDA device there is only one device the tensors can live on, the CPU; the
+# patch is installed only when ``torch.cuda.is_available()`` is False, so no code that
+# could have used a GPU is redirected.
+def _patch_current_device() -> None:
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+
+
+# -- 2. tensor-parallel RNG tracker -----------------------------------------------------------
+# Megatron assumes: the tensor-parallel RNG tracker (``model_parallel_cuda_manual_seed``,
+# ``get_cuda_rng_tracker().fork()`` around dropout and GPU weight init) saves and restores
+# the *CUDA* generator state. Without CUDA, ``torch.cuda.get_rng_state`` raises.
+# Safe because: the tracker's contract is "named streams of random numbers, forked and
+# restored"; on CPU every random op draws from the CPU generator, so tracking the CPU
+# generator's state gives exactly that contract (same seeds -> same streams).
+def _make_cpu_tracker_class() -> type:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):  # type: ignore[misc, name-defined]
+        """Megatron's RNG tracker, keeping CPU generator states instead of CUDA ones."""
+
+        def add(self, name: str, seed: int) -> None:
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    return CpuRNGStatesTracker
+
+
+def _patch_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    # initialize_rng_tracker looks the class up at call time, so it now builds ours.
+    mrandom.CudaRNGStatesTracker = _make_cpu_tracker_class()
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+
+# -- 3. default causal mask -------------------------------------------------------------------
+# Megatron assumes: with ``attention_mask=None`` and a causal mask type, the softmax builds
+# the mask with ``torch.ones(sq, sq, device="cuda")`` (transformer/utils.py, imported by
+# name into fusions/fused_softmax.py). Safe because: the replacement builds the identical
+# boolean upper-triangular mask (True = masked) on the CPU, where the scores are.
+@functools.lru_cache(maxsize=32)
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _cpu_sliding_window_mask(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    mu = torch.triu(m, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(mu, diagonal=skv - sq + window_size[1])
+
+
+def _patch_causal_mask() -> None:
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as tutils
+
+    for mod in (tutils, fused_softmax):
+        mod.get_default_causal_mask = _cpu_causal_mask  # type: ignore[attr-defined]
+        mod.get_sliding_window_causal_mask = _cpu_sliding_window_mask  # type: ignore[attr-defined]
+
+
+PATCHES: list[Patch] = [
+    Patch("current_device", "torch.cuda.current_device() used as the allocation device", _patch_current_device),
+    Patch("rng_tracker", "tensor-parallel RNG tracker keeps CUDA generator states", _patch_rng_tracker),
+    Patch("causal_mask", "default causal mask built with device='cuda'", _patch_causal_mask),
+]
+
+
+def apply() -> list[str]:
+    """Install every CPU adaptation once; returns the names applied so far.
+
+    No-op (returns ``[]``) when CUDA is available.
+    """
+    if cuda_available():
+        return []
+    for p in PATCHES:
+        if p.name not in _APPLIED:
+            p.apply()
+            _APPLIED.add(p.name)
+            log.debug("compat_cpu: applied %s (%s)", p.name, p.why)
+    return sorted(_APPLIED)
+
+
+# -- sequence-parallel norm for the local spec ---------------------------------------------------
+class _AllReduceGradOverTP(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over the tensor-parallel group."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        from megatron.core import parallel_state
+
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            g = g.contiguous()
+            torch.distributed.all_reduce(g, group=parallel_state.get_tensor_model_parallel_group())
+        return g
+
+
+class SequenceParallelTorchNorm(torch.nn.Module):
+    """RMSNorm / LayerNorm for the local spec that also works with sequence parallelism.
+
+    Megatron assumes: sequence parallelism uses Transformer Engine's norm (``TENorm``);
+    ``WrappedTorchNorm`` asserts ``not config.sequence_parallel``. With sequence
+    parallelism each TP rank normalizes its own slice of the sequence, so the norm
+    weight's gradient on one rank covers only that slice: the true gradient is the sum
+    over the TP group. Megatron's own fix is ``finalize_model_grads`` all-reducing params
+    marked ``sequence_parallel``; this norm instead all-reduces the weight's gradient
+    inside autograd (so plain ``loss.backward()`` is correct without Megatron's DDP), and
+    does *not* set the ``sequence_parallel`` attribute, so the all-reduce is never done
+    twice. Without sequence parallelism it is exactly ``torch.nn.RMSNorm``/``LayerNorm``.
+    Parameter names (``weight``, ``bias``) match torch's norms.
+
+    ``reduce_grads_over_tp=True`` is for norms whose input is split over TP ranks along
+    another axis (q/k norms see only the rank's heads): their gradient is summed over TP
+    whatever the sequence-parallel setting. Do not combine with Megatron's
+    ``finalize_model_grads`` (it would reduce these gradients a second time).
+    """
+
+    def __init__(
+        self, config, hidden_size: int, eps: float = 1e-5, reduce_grads_over_tp: bool = False, **_: object
+    ) -> None:  # noqa: ANN001
+        super().__init__()
+        self.reduce_grads = bool(config.sequence_parallel) or reduce_grads_over_tp
+        self.normalization = config.normalization
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        if config.normalization == "LayerNorm":
+            self.bias: torch.nn.Parameter | None = torch.nn.Parameter(
+                torch.zeros(hidden_size, dtype=config.params_dtype)
+            )
+        elif config.normalization == "RMSNorm":
+            self.bias = None
+        else:
+            raise ValueError(f"normalization {config.normalization!r}: only RMSNorm and LayerNorm are supported")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        if self.reduce_grads and torch.is_grad_enabled():
+            w = _AllReduceGradOverTP.apply(w)
+            b = _AllReduceGradOverTP.apply(b) if b is not None else None
+        shape = (x.shape[-1],)
+        if self.normalization == "RMSNorm":
+            return torch.nn.functional.rms_norm(x, shape, w, self.eps)
+        return torch.nn.functional.layer_norm(x, shape, w, b, self.eps)
+
+
+def qk_norm(config, hidden_size: int, eps: float = 1e-5, **kw: object) -> SequenceParallelTorchNorm:  # noqa: ANN001
+    """Per-head q/k norm of the local spec (Qwen3): gradient summed over the TP group."""
+    return SequenceParallelTorchNorm(config, hidden_size, eps, reduce_grads_over_tp=True)

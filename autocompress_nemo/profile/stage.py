@@ -1,0 +1,144 @@
+"""The profile and validate stages, as plain functions of the composed config.
+
+- ``run_profile(cfg, out_dir) -> Path``: build (or reuse) the cost table of ``cfg.target``
+  for the parent ``cfg.model``; returns the path of ``cost_table.json`` inside the artifact
+  directory ``<out_dir>/cost_table`` (with a manifest; reused when complete for the same
+  config hash and provenance).
+- ``run_validate(cfg, table_path, out_dir) -> dict``: measure candidate models end to end in
+  the engine, compare with the table's predictions, write ``validation.{csv,json,png}`` into
+  the artifact ``<out_dir>/validation`` and return the summary (per-metric errors).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from autocompress_nemo.arch.from_config import spec_from_model_config
+from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.costs.engines import get_engine
+from autocompress_nemo.costs.engines.base import Workload
+from autocompress_nemo.costs.predictor import Predictor
+from autocompress_nemo.costs.profiler import build_table, expected_settings
+from autocompress_nemo.costs.table import CostTable, make_provenance
+from autocompress_nemo.profile import validate as val
+from autocompress_nemo.utils.artifacts import artifact, hash_obj, is_complete
+
+TABLE_DIR, TABLE_FILE = "cost_table", "cost_table.json"
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+
+def parent_spec(cfg: Any) -> ArchSpec:
+    return spec_from_model_config(cfg.model)
+
+
+def profile_config_hash(cfg: Any) -> str:
+    """What the table depends on: engine, hardware, workload, the parent's shape and the option grid."""
+    t = cfg.target
+    return hash_obj({"engine": _plain(t.engine), "hardware": _plain(t.hardware), "workload": _plain(t.workload),
+                     "parent": parent_spec(cfg).to_dict(), "ffn_options": int(cfg.search.ffn_options)})
+
+
+def expected_provenance(cfg: Any) -> dict[str, Any]:
+    """The provenance a table must carry to be valid for ``cfg.target`` (without running anything)."""
+    eng = get_engine(cfg.target)
+    wl = Workload.from_config(cfg.target.workload)
+    prov = make_provenance(eng.provenance(), wl.__dict__, wl.decode_context(str(eng.setting("decode_context", "mean"))),
+                           expected_settings(cfg.target.engine), parent_spec(cfg))
+    if cfg.target.engine.version:
+        want = str(cfg.target.engine.version)
+        if want not in prov["engine_version"]:
+            raise ValueError(f"target.engine.version={want!r} but the installed engine is {prov['engine_version']!r}; "
+                             "install that version or clear target.engine.version")
+    return {k: v for k, v in prov.items() if k not in ("date", "label", "parent_name")}
+
+
+def load_table(cfg: Any, table_path: str | Path) -> CostTable:
+    """Load a table and refuse it (ProvenanceMismatch, naming the fields) if it was built for another target."""
+    return CostTable.load(table_path, expected=expected_provenance(cfg))
+
+
+def run_profile(cfg: Any, out_dir: str | Path) -> Path:
+    """Build or reuse the cost table; returns the path of ``cost_table.json``."""
+    out = Path(out_dir) / TABLE_DIR
+    h = profile_config_hash(cfg)
+    if is_complete(out, h):
+        try:
+            load_table(cfg, out / TABLE_FILE)
+            print(f"[profile] reusing {out / TABLE_FILE} (complete, provenance matches)", file=sys.stderr)
+            return out / TABLE_FILE
+        except ValueError as e:
+            print(f"[profile] rebuilding: {e}", file=sys.stderr)
+    parent = parent_spec(cfg)
+    wl = Workload.from_config(cfg.target.workload)
+    with artifact(out, stage="profile", config_hash=h, inputs={"parent": parent.to_json(None)}) as tmp:
+        engine = get_engine(cfg.target, workdir=tmp / "work")
+        table = build_table(engine, parent, wl, ffn_points=int(cfg.search.ffn_options))
+        table.provenance["target"] = str(cfg.target.name)
+        table.save(tmp / TABLE_FILE)
+        _rmtree(tmp / "work")
+    print(f"[profile] wrote {out / TABLE_FILE}: {table.provenance['engine_runs']} engine runs in "
+          f"{table.provenance['profile_wall_s']:.0f} s ({table.label})", file=sys.stderr)
+    return out / TABLE_FILE
+
+
+def run_validate(cfg: Any, table_path: str | Path, out_dir: str | Path, *, n_random: int | None = None,
+                 seed: int | None = None) -> dict[str, Any]:
+    """Measure candidate models end to end and report predicted vs measured; returns the summary."""
+    table = load_table(cfg, table_path)
+    pred = Predictor(table, cfg.target)
+    parent = parent_spec(cfg)
+    wl = Workload.from_config(cfg.target.workload)
+    n_rand = int(n_random if n_random is not None else cfg.target.engine.settings.get("validate_random", 9))
+    specs = val.candidates(parent, cfg.target.engine.capabilities, n_rand, int(seed if seed is not None else cfg.seed))
+    out = Path(out_dir) / "validation"
+    rows: list[dict[str, Any]] = []
+    t0 = time.time()
+    with artifact(out, stage="validate", config_hash=hash_obj([str(table_path), n_rand, len(specs)])) as tmp:
+        engine = get_engine(cfg.target, workdir=tmp / "work")
+        total = len(specs) * int(engine.setting("rounds", 4))
+        done = [0]
+
+        def progress(msg: str) -> None:
+            done[0] += 1
+            el = time.time() - t0
+            print(f"[validate {done[0]}/{total}] timing{msg[msg.index(':'):]} ({total - done[0]} runs remain, "
+                  f"~{el / done[0] * (total - done[0]):.0f} s left)", file=sys.stderr, flush=True)
+
+        measured = engine.measure_many(specs, wl, log=progress)
+        for spec, m in zip(specs, measured, strict=True):
+            p = pred.predict(spec)
+            meas = {"prefill_ms": m.prefill_ms, "decode_ms": m.decode_ms,
+                    "response_latency_ms": m.prefill_ms + wl.output_len * m.decode_ms, "memory_bytes": m.memory_bytes}
+            row: dict[str, Any] = {"name": spec.name, "pattern": spec.pattern, "layers": spec.num_layers}
+            for k in val.METRICS:
+                row[f"pred_{k}"], row[f"meas_{k}"] = float(p[k]), float(meas[k])
+                row[f"err_{k}_pct"] = 100.0 * (p[k] - meas[k]) / meas[k] if meas[k] else float("nan")
+            for part, v in m.memory.items():
+                row[f"meas_mem_{part}"], row[f"pred_mem_{part}"] = v, p["memory"].get(part, 0.0)
+            row["spec"] = spec.to_dict()
+            row["spread"] = m.spread
+            rows.append(row)
+            print(f"    {spec.name}: decode {meas['decode_ms']:.3f} ms (pred {p['decode_ms']:.3f}, {row['err_decode_ms_pct']:+.2f}%), "
+                  f"prefill {meas['prefill_ms']:.1f} ms ({row['err_prefill_ms_pct']:+.2f}%), memory "
+                  f"{row['err_memory_bytes_pct']:+.3f}%", file=sys.stderr, flush=True)
+        summary = {"target": str(cfg.target.name), "engine": table.provenance["engine"], "label": table.label,
+                   "estimated": table.estimated, "models": len(rows), "engine_runs": engine.runs,
+                   "errors": val.errors(rows), "wall_s": round(time.time() - t0, 1), "table": str(table_path)}
+        _rmtree(tmp / "work")
+        val.write_report(rows, summary, tmp)
+    summary["files"] = {k: str(out / f"validation.{k}") for k in ("csv", "json", "png")}
+    return summary
+
+
+def _rmtree(p: Path) -> None:
+    import shutil
+
+    shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,121 @@
+"""Validation candidates and the predicted-vs-measured report (CSV, JSON, PNG scatter).
+
+Candidates (none of them is a profiling model): the parent; uniform shrinks (ffn, KV
+groups, query heads, a mix); a model with whole layers removed; random heterogeneous mixes
+(per-layer attention options and off-grid ffn widths, some blocks removed), each checked
+against the engine's capabilities (first layer keeps attention, last keeps ffn, no
+attention without ffn on llama.cpp).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
+from autocompress_nemo.costs.engines.base import _cap, capability_problems
+from autocompress_nemo.costs.profiler import attention_grid
+
+METRICS = ("prefill_ms", "decode_ms", "response_latency_ms", "memory_bytes")
+
+
+def _layered(parent: ArchSpec, layers: list[tuple[AttentionBlock, MlpBlock]], name: str) -> ArchSpec:
+    return parent.replace(blocks=tuple(b for layer in layers for b in layer), name=name)
+
+
+def candidates(parent: ArchSpec, caps: Any, n_random: int = 8, seed: int = 0) -> list[ArchSpec]:
+    """Parent, uniform shrinks, layer-removed and random heterogeneous models the engine serves."""
+    rng = random.Random(seed)
+    layers = parent.layers()
+    a_p, m_p = layers[0]
+    align = max(1, int(_cap(caps, "ffn_align", 1)))
+    snap = max(align, 16 if align == 1 else align)
+
+    def w(frac: float) -> int:
+        return max(snap, int(m_p.ffn * frac) // snap * snap)
+
+    attn = attention_grid(a_p, caps)
+    out = [parent.replace(name="parent")]
+    if _cap(caps, "vary_ffn"):
+        out += [_layered(parent, [(a_p, MlpBlock(w(f), m_p.activation))] * len(layers), f"uniform_ffn{w(f)}")
+                for f in (0.75, 0.5)]
+    smaller = [a for a in attn if a != a_p]
+    if smaller:
+        mid = smaller[len(smaller) // 2]
+        out.append(_layered(parent, [(mid, m_p)] * len(layers), f"uniform_{mid.num_heads}h{mid.num_kv_groups}g"))
+        out.append(_layered(parent, [(smaller[-1], MlpBlock(w(0.66), m_p.activation))] * len(layers),
+                            f"uniform_{smaller[-1].num_heads}h_ffn{w(0.66)}"))
+    if _cap(caps, "remove_attention") and _cap(caps, "remove_mlp"):
+        drop = set(rng.sample(range(1, len(layers) - 1), k=max(1, len(layers) // 5)))
+        empty = (AttentionBlock(0, 0, a_p.head_dim), MlpBlock(0, m_p.activation))
+        out.append(_layered(parent, [empty if i in drop else (a_p, m_p) for i in range(len(layers))],
+                            f"drop{len(drop)}layers"))
+    tries = 0
+    while len(out) < 5 + n_random + 1 and tries < 1000:
+        tries += 1
+        mix = []
+        for i in range(len(layers)):
+            a = rng.choice(attn)
+            if _cap(caps, "remove_attention") and rng.random() < 0.2:
+                a = AttentionBlock(0, 0, a_p.head_dim)
+            ffn = rng.randrange(snap, m_p.ffn + 1, snap) if _cap(caps, "vary_ffn") else m_p.ffn
+            if _cap(caps, "remove_mlp") and rng.random() < 0.12:
+                ffn = 0
+            if i == 0 and _cap(caps, "first_block_full"):
+                a = a if not a.removed else a_p
+            mix.append((a, MlpBlock(ffn, m_p.activation)))
+        spec = _layered(parent, mix, f"mix{len(out)}")
+        if not capability_problems(spec, caps, parent):
+            out.append(spec)
+    return out
+
+
+def errors(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per metric: mean absolute % error, max absolute % error, mean signed % error."""
+    out: dict[str, dict[str, float]] = {}
+    for m in METRICS:
+        errs = [100.0 * (r[f"pred_{m}"] - r[f"meas_{m}"]) / r[f"meas_{m}"] for r in rows if r[f"meas_{m}"]]
+        if errs:
+            out[m] = {"mape": sum(abs(e) for e in errs) / len(errs), "max_ape": max(abs(e) for e in errs),
+                      "bias": sum(errs) / len(errs), "n": len(errs)}
+    return out
+
+
+def write_report(rows: list[dict[str, Any]], summary: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    """``validation.csv``, ``validation.json`` and ``validation.png`` (predicted vs measured per metric)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"csv": out_dir / "validation.csv", "json": out_dir / "validation.json", "png": out_dir / "validation.png"}
+    keys = [k for k in rows[0] if not isinstance(rows[0][k], (dict, list))]
+    with open(paths["csv"], "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=keys)
+        wr.writeheader()
+        for r in rows:
+            wr.writerow({k: r[k] for k in keys})
+    paths["json"].write_text(json.dumps({"summary": summary, "rows": rows}, indent=1, default=str))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(4.2 * len(METRICS), 4))
+    for ax, m in zip(axes, METRICS, strict=True):
+        scale = 2**20 if m == "memory_bytes" else 1.0
+        xs = [r[f"meas_{m}"] / scale for r in rows]
+        ys = [r[f"pred_{m}"] / scale for r in rows]
+        ax.scatter(xs, ys, s=18)
+        lo, hi = min(xs + ys), max(xs + ys)
+        ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+        e = summary["errors"].get(m, {})
+        unit = "MiB" if m == "memory_bytes" else "ms"
+        ax.set_title(f"{m}: MAPE {e.get('mape', float('nan')):.2f}%", fontsize=9)
+        ax.set_xlabel(f"measured ({unit})")
+        ax.set_ylabel(f"predicted ({unit})")
+    fig.suptitle(f"{summary['target']} / {summary['engine']}: predicted vs measured ({summary['label']}), "
+                 f"{len(rows)} models not used for the table", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(paths["png"], dpi=110)
+    plt.close(fig)
+    return paths
