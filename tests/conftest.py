@@ -25,8 +25,18 @@ def megatron_tp1():
 
 def tiny_uniform_spec(tied: bool = False) -> ArchSpec:
     """2 layers, hidden 64, 4 query heads in 2 KV groups, ffn 96, vocab 128."""
-    return ArchSpec.llama(hidden=64, vocab=128, layers=2, heads=4, kv_groups=2, ffn=96, head_dim=16,
-                          tied_embeddings=tied, rope_theta=10000.0, name="tiny_uniform")
+    return ArchSpec.llama(
+        hidden=64,
+        vocab=128,
+        layers=2,
+        heads=4,
+        kv_groups=2,
+        ffn=96,
+        head_dim=16,
+        tied_embeddings=tied,
+        rope_theta=10000.0,
+        name="tiny_uniform",
+    )
 
 
 def tiny_hetero_spec() -> ArchSpec:

@@ -38,12 +38,17 @@ def _ids(spec: ArchSpec) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("family", "tied", "hf_class"),
-    [("llama", False, "LlamaForCausalLM"), ("llama", True, "LlamaForCausalLM"),
-     ("qwen2", False, "Qwen2ForCausalLM"), ("qwen3", True, "Qwen3ForCausalLM")],
+    [
+        ("llama", False, "LlamaForCausalLM"),
+        ("llama", True, "LlamaForCausalLM"),
+        ("qwen2", False, "Qwen2ForCausalLM"),
+        ("qwen3", True, "Qwen3ForCausalLM"),
+    ],
 )
 def test_uniform_export_roundtrip_and_transformers(megatron_tp1, tmp_path, family, tied, hf_class):
-    spec = tiny_uniform_spec(tied=tied).replace(family=family, extra={"qkv_bias": family == "qwen2",
-                                                                      "qk_layernorm": family == "qwen3"})
+    spec = tiny_uniform_spec(tied=tied).replace(
+        family=family, extra={"qkv_bias": family == "qwen2", "qk_layernorm": family == "qwen3"}
+    )
     model = _model(spec, seed=7)
     ids = _ids(spec)
     with torch.no_grad():
@@ -77,8 +82,12 @@ def test_heterogeneous_export_is_decilm_and_roundtrips(megatron_tp1, tmp_path):
     assert cfg["model_type"] == "nemotron-nas" and cfg["architectures"] == ["DeciLMForCausalLM"]
     assert cfg["acn_per_layer_query_heads"] is True
     bc = cfg["block_configs"]
-    assert bc[0]["attention"] == {"no_op": False, "replace_with_linear": False, "n_heads_in_group": 2,
-                                  "num_attention_heads": 4}
+    assert bc[0]["attention"] == {
+        "no_op": False,
+        "replace_with_linear": False,
+        "n_heads_in_group": 2,
+        "num_attention_heads": 4,
+    }
     assert bc[3]["attention"]["n_heads_in_group"] == 3 and bc[3]["attention"]["num_attention_heads"] == 6
     assert bc[2]["attention"]["no_op"] and bc[1]["ffn"]["no_op"]
     assert [b["ffn"].get("intermediate_size") for b in bc] == [96, None, 64, 32]
@@ -94,9 +103,16 @@ def test_heterogeneous_export_is_decilm_and_roundtrips(megatron_tp1, tmp_path):
 
 def test_decilm_config_without_extension_reads_ffn_mult():
     """A standard DeciLM config (n_heads_in_group + ffn_mult, no extension) is read as DeciLM means it."""
-    cfg = {"model_type": "nemotron-nas", "hidden_size": 512, "num_attention_heads": 8, "vocab_size": 1000,
-           "block_configs": [{"attention": {"n_heads_in_group": 4, "no_op": False}, "ffn": {"ffn_mult": 1.5}},
-                             {"attention": {"n_heads_in_group": None, "no_op": True}, "ffn": {"ffn_mult": 3.0}}]}
+    cfg = {
+        "model_type": "nemotron-nas",
+        "hidden_size": 512,
+        "num_attention_heads": 8,
+        "vocab_size": 1000,
+        "block_configs": [
+            {"attention": {"n_heads_in_group": 4, "no_op": False}, "ffn": {"ffn_mult": 1.5}},
+            {"attention": {"n_heads_in_group": None, "no_op": True}, "ffn": {"ffn_mult": 3.0}},
+        ],
+    }
     spec = spec_from_hf_config(cfg)
     att0, mlp0 = spec.layers()[0]
     assert (att0.num_heads, att0.num_kv_groups, att0.head_dim) == (8, 2, 64)
@@ -104,15 +120,18 @@ def test_decilm_config_without_extension_reads_ffn_mult():
     # and our writer's uniform-query-head form omits the extension
     uniform_q = tiny_hetero_spec()
     blocks = list(uniform_q.blocks)
-    blocks[6] = type(blocks[6])(4, 2, 16)
-    out = hf_config_from_spec(uniform_q.replace(blocks=tuple(blocks)))
+    blocks[2] = blocks[6] = type(blocks[6])(4, 2, 16)  # every present attention has 4 query heads
+    uniform_q = uniform_q.replace(blocks=tuple(blocks))
+    out = hf_config_from_spec(uniform_q)
     assert "acn_per_layer_query_heads" not in out
     assert all("num_attention_heads" not in b["attention"] for b in out["block_configs"])
+    assert spec_from_hf_config(out).blocks == uniform_q.blocks
 
 
 def test_load_parent_kinds_and_errors(tmp_path, smollm2_gguf):
-    tiny = dict(name="tiny", source=dict(kind="random"), hidden=64, vocab=128, num_layers=2, heads=4,
-                kv_groups=2, ffn=96)
+    tiny = dict(
+        name="tiny", source=dict(kind="random"), hidden=64, vocab=128, num_layers=2, heads=4, kv_groups=2, ffn=96
+    )
     spec, sd, tok = load_parent(tiny)
     assert sd is None and tok is None and spec.num_layers == 2 and spec.hidden == 64
 

@@ -63,8 +63,10 @@ def test_next_token_logits_match_transformers(smollm2_pair):
     diff = (got - want).abs().max().item()
     scale = want.abs().max().item()
     same_argmax = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-    print(f"\nSmolLM2 logits on {ids.shape[1]} tokens: max |megatron - transformers| = {diff:.3e} "
-          f"(max |logit| {scale:.1f}, relative {diff / scale:.2e}); argmax agreement {same_argmax:.3f}")
+    print(
+        f"\nSmolLM2 logits on {ids.shape[1]} tokens: max |megatron - transformers| = {diff:.3e} "
+        f"(max |logit| {scale:.1f}, relative {diff / scale:.2e}); argmax agreement {same_argmax:.3f}"
+    )
     assert diff / scale < 1e-5
     assert same_argmax == 1.0
 
@@ -77,7 +79,9 @@ def test_heldout_perplexity_matches_transformers(smollm2_pair):
     with torch.no_grad():
         p_meg = _ppl(forward_logits(model, ids), ids)
         p_ref = _ppl(ref(ids).logits.float(), ids)
-    print(f"\nSmolLM2 perplexity on json/decoder.py (first {ids.shape[1]} tokens): "
-          f"megatron {p_meg:.6f}, transformers {p_ref:.6f} (3 s.f.: {p_meg:.3g} vs {p_ref:.3g})")
+    print(
+        f"\nSmolLM2 perplexity on json/decoder.py (first {ids.shape[1]} tokens): "
+        f"megatron {p_meg:.6f}, transformers {p_ref:.6f} (3 s.f.: {p_meg:.3g} vs {p_ref:.3g})"
+    )
     assert 1.0 < p_ref < 100.0, "a sane model of Python source"
     assert abs(p_meg - p_ref) / p_ref < 1e-4

@@ -55,8 +55,10 @@ def _check(spec: ArchSpec, megatron_tp1: None) -> None:
             for k in ref_grads:
                 assert ref_grads[k].abs().max() > 0, f"{k}: zero reference gradient (the check would be vacuous)"
                 worst_grad = max(worst_grad, (grads[k] - ref_grads[k]).abs().max().item())
-        print(f"{spec.name} sequence_parallel={sp}: TP=2 vs TP=1 max |dlogits| = {worst_logit:.2e}, "
-              f"max |dgrad| = {worst_grad:.2e}")
+        print(
+            f"{spec.name} sequence_parallel={sp}: TP=2 vs TP=1 max |dlogits| = {worst_logit:.2e}, "
+            f"max |dgrad| = {worst_grad:.2e}"
+        )
         assert worst_logit < TOL and worst_grad < TOL
 
 

@@ -164,8 +164,11 @@ def hf_config_from_spec(spec: ArchSpec) -> dict[str, Any]:
     cfg = _base_config(spec, head_dim, heads, present[0].num_kv_groups if present else 1, ffn0)
     blocks = []
     for att, mlp in layers:
-        a: dict[str, Any] = {"no_op": att.removed, "replace_with_linear": False,
-                             "n_heads_in_group": None if att.removed else att.heads_per_group}
+        a: dict[str, Any] = {
+            "no_op": att.removed,
+            "replace_with_linear": False,
+            "n_heads_in_group": None if att.removed else att.heads_per_group,
+        }
         if varies_q and not att.removed:
             a["num_attention_heads"] = att.num_heads
         f: dict[str, Any] = {"no_op": mlp.removed, "replace_with_linear": False}

@@ -60,6 +60,8 @@ class Predictor:
         self.kv_dtype = str(_get(eng, "kv_dtype", None) or table.provenance.get("kv_dtype", "f16"))
         self.norm_dtype = str(table.memory.get("norm_dtype", "f32"))
         self.state_dtype = "f32"
+        # KV tokens at full context and batch as the engine allocates them (padding included)
+        self.kv_tokens = int(table.memory.get("kv_tokens", self.context_len * self.batch))
 
     @property
     def estimated(self) -> bool:
@@ -76,9 +78,9 @@ class Predictor:
             return (self.table.block_latency(block, "prefill_ms")
                     + self.output_len * self.table.block_latency(block, "decode_ms"))
         if metric == "memory_bytes":
-            return mem.block_memory_bytes(block, self.table.parent.hidden, dtype=self.dtype, kv_dtype=self.kv_dtype,
-                                          context=self.context_len, batch=self.batch, norm_dtype=self.norm_dtype,
-                                          state_dtype=self.state_dtype)
+            return (mem.block_weight_bytes(block, self.table.parent.hidden, self.dtype, self.norm_dtype)
+                    + mem.block_kv_bytes(block, self.kv_tokens, 1, self.kv_dtype)
+                    + mem.block_state_bytes(block, self.batch, self.state_dtype))
         if metric == "params":
             return float(block_params(block, self.table.parent.hidden))
         raise ValueError(_metric_error(metric))
@@ -109,7 +111,7 @@ class Predictor:
         return {
             "weights": outside + blocks_w,
             "weights_outside_blocks": outside,
-            "kv": mem.kv_cache_bytes(spec, self.context_len, self.batch, self.kv_dtype),
+            "kv": mem.kv_cache_bytes(spec, self.kv_tokens, 1, self.kv_dtype),
             "state": mem.ssm_state_bytes(spec, self.batch, self.state_dtype),
             "compute": self.table.compute_bytes(spec),
             "output": float(m.get("output_bytes", 0.0)),

@@ -44,7 +44,7 @@ from typing import Any
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
 from autocompress_nemo.costs.engines.base import Engine, Measurement, Workload, _cap
-from autocompress_nemo.costs.memory import weight_bytes
+from autocompress_nemo.costs.memory import kv_cache_bytes, weight_bytes
 from autocompress_nemo.costs.table import PHASES, CostTable, make_provenance
 
 Layer = tuple[AttentionBlock, MlpBlock]
@@ -200,6 +200,8 @@ def build_table(
         "compute_bytes": [{"block": b.__dict__, "bytes": meas[f"{names[x]}_k{plan.k2}"].memory.get("compute", 0.0)}
                           for x in plan.layers().values() for b in x if not b.removed],
         "weights_overhead_bytes": base.memory.get("weights", 0.0) - weight_bytes(base_spec, dtype),
+        # KV cells the engine allocates for B x C tokens (llama.cpp pads to a multiple of 256)
+        "kv_tokens": _kv_tokens(base, base_spec, workload, str(getattr(engine.cfg, "kv_dtype", "f16"))),
         "norm_dtype": "f32" if engine.name == "llama_cpp" else dtype,
     }
     settings = {k: v for k, v in dict(engine.cfg.settings or {}).items()}
@@ -207,9 +209,18 @@ def build_table(
     prov = make_provenance(engine.provenance(), workload.__dict__,
                            workload.decode_context(str(engine.setting("decode_context", "mean"))),
                            expected_settings(engine.cfg), parent)
-    prov.update({"engine_runs": len(jobs), "profile_wall_s": round(time.time() - t_start, 2), "profile": settings})
+    prov.update({"profile_models": len(jobs), "engine_runs": int(getattr(engine, "runs", len(jobs))), "profile_wall_s": round(time.time() - t_start, 2), "profile": settings})
     return CostTable(provenance=prov, parent=parent, intercept=intercept, layer_overhead=c_empty, blocks=blocks,
                      memory=memory, runs=runs)
+
+
+def _kv_tokens(m: Measurement, spec: ArchSpec, wl: Workload, kv_dtype: str) -> int:
+    """Token cells behind the reported KV buffer: ``kv_bytes / kv_bytes_per_token`` (falls back to ``B * C``)."""
+    per_token = kv_cache_bytes(spec, 1, 1, kv_dtype)
+    kv = m.memory.get("kv", 0.0)
+    if m.estimated or not kv or not per_token:
+        return wl.context_len * wl.batch
+    return int(round(kv / per_token))
 
 
 def expected_settings(engine_cfg: Any) -> dict[str, Any]:

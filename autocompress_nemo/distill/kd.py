@@ -53,11 +53,13 @@ def kd_train(
 
 
 def hidden_state_loss(student_hidden: list[torch.Tensor], teacher_hidden: list[torch.Tensor]) -> torch.Tensor:
-    """Normalized mean-squared error between matched hidden states, averaged over the pairs.
+    """Relative squared error between matched hidden states, per token, averaged.
 
-    For each pair ``(h_s, h_t)`` (same shape, e.g. ``[T, B, H]``):
-    ``sum((h_s - h_t)^2) / sum(h_t^2)`` — the relative squared error, so layers whose
-    residual stream has grown large do not dominate; the result is the mean over pairs.
+    For each pair ``(h_s, h_t)`` (same shape, e.g. ``[T, B, H]``) and each token position:
+    ``||h_s - h_t||^2 / ||h_t||^2`` over the hidden axis; the result is the mean over tokens
+    and pairs. Relative, so layers whose residual stream has grown large do not dominate;
+    per token, so it is a plain mean over tokens and splitting the batch (data parallel,
+    micro-batches) gives the same loss and gradient.
     """
     if len(student_hidden) != len(teacher_hidden) or not student_hidden:
         raise ValueError(
@@ -73,5 +75,6 @@ def hidden_state_loss(student_hidden: list[torch.Tensor], teacher_hidden: list[t
                 "hidden size was pruned)"
             )
         h_t = h_t.detach().float()
-        total = total + (h_s.float() - h_t).pow(2).sum() / h_t.pow(2).sum().clamp_min(1e-12)
+        err = (h_s.float() - h_t).pow(2).sum(-1) / h_t.pow(2).sum(-1).clamp_min(1e-12)
+        total = total + err.mean()
     return total / len(student_hidden)

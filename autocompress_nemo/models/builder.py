@@ -37,7 +37,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock
 from autocompress_nemo.models import compat_cpu
 
 Impl = Literal["auto", "local", "te"]
@@ -123,9 +123,7 @@ def _make_config_class() -> type:
         def __post_init__(self) -> None:
             super().__post_init__()
             blocks = json.loads(self.heterogeneous_layers_config_encoded_json)["block_configs"]
-            self.per_layer_num_attention_heads = [
-                int(b["attention"].get("num_attention_heads") or 0) for b in blocks
-            ]
+            self.per_layer_num_attention_heads = [int(b["attention"].get("num_attention_heads") or 0) for b in blocks]
 
         def get_config_for_layer(self, layer_number: int) -> TransformerConfig:
             cfg = super().get_config_for_layer(layer_number)
@@ -164,11 +162,15 @@ def transformer_config(
     if any(a.head_dim != head_dim for a, _ in layers):
         raise ValueError(f"ArchSpec {spec.name!r}: head_dim must be the same in every layer")
     tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
-    pp = parallel_state.get_pipeline_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+    pp = (
+        parallel_state.get_pipeline_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+    )
     problems = []
     for i, (att, mlp) in enumerate(layers):
         if not att.removed and (att.num_heads % tp or att.num_kv_groups % tp):
-            problems.append(f"layer {i}: {att.num_heads} heads / {att.num_kv_groups} KV groups not divisible by TP={tp}")
+            problems.append(
+                f"layer {i}: {att.num_heads} heads / {att.num_kv_groups} KV groups not divisible by TP={tp}"
+            )
         if not mlp.removed and mlp.ffn % tp:
             problems.append(f"layer {i}: ffn {mlp.ffn} not divisible by TP={tp}")
     if problems:
@@ -239,7 +241,13 @@ def layer_specs(spec: ArchSpec, config: Any, use_te: bool, vp_stage: int | None 
             TERowParallelLinear,
         )
 
-        norm, qk, col, row, core = IdentityOp, TENorm, TELayerNormColumnParallelLinear, TERowParallelLinear, TEDotProductAttention
+        norm, qk, col, row, core = (
+            IdentityOp,
+            TENorm,
+            TELayerNormColumnParallelLinear,
+            TERowParallelLinear,
+            TEDotProductAttention,
+        )
         final_norm: Any = TENorm
     else:
         norm, qk = compat_cpu.SequenceParallelTorchNorm, compat_cpu.qk_norm
@@ -314,8 +322,10 @@ def build_model(
     """
     parallel_state, _ = _megatron()
     if not parallel_state.model_parallel_is_initialized():
-        raise RuntimeError("Megatron parallel state is not initialized: call "
-                           "autocompress_nemo.distributed.init_distributed(tp=..., pp=...) first")
+        raise RuntimeError(
+            "Megatron parallel state is not initialized: call "
+            "autocompress_nemo.distributed.init_distributed(tp=..., pp=...) first"
+        )
     kinds = spec.kinds()
     if kinds <= {"attention", "mlp"} and spec.is_dense_layered():
         model = _build_dense_gpt(spec, params_dtype, sequence_parallel, init_seed, impl, qk_layernorm, qkv_bias)
@@ -385,8 +395,10 @@ def _zero_padded_vocab_rows(model: Any, vocab: int) -> None:
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     with torch.no_grad():
-        for w in (getattr(getattr(model, "embedding", None), "word_embeddings", None),
-                  getattr(model, "output_layer", None)):
+        for w in (
+            getattr(getattr(model, "embedding", None), "word_embeddings", None),
+            getattr(model, "output_layer", None),
+        ):
             if w is None or getattr(w, "weight", None) is None:
                 continue
             rows = w.weight.shape[0]

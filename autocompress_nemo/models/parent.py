@@ -60,9 +60,7 @@ def resolve_source_path(model_cfg: Any) -> Path | None:
     raise ValueError(f"model.source.kind={kind!r} is not one of: package, gguf, hf, random, none")
 
 
-def load_parent(
-    model_cfg: Any, tokenizer: bool = True
-) -> tuple[ArchSpec, dict[str, torch.Tensor] | None, Any]:
+def load_parent(model_cfg: Any, tokenizer: bool = True) -> tuple[ArchSpec, dict[str, torch.Tensor] | None, Any]:
     """``(spec, HF Llama-named float32 state dict or None, tokenizer or None)`` of the parent.
 
     ``random`` and ``none`` return the spec of the config and no weights (build the
@@ -87,8 +85,10 @@ def load_parent(
     spec = spec.replace(name=str(name or spec.name))
     mismatch = [
         f"{k}: config {want} vs checkpoint {have}"
-        for k, want, have in (("hidden", _get(model_cfg, "hidden", 0), spec.hidden),
-                              ("num_layers", _get(model_cfg, "num_layers", 0), spec.num_layers))
+        for k, want, have in (
+            ("hidden", _get(model_cfg, "hidden", 0), spec.hidden),
+            ("num_layers", _get(model_cfg, "num_layers", 0), spec.num_layers),
+        )
         if isinstance(want, int) and want and want != have
     ]
     if mismatch:

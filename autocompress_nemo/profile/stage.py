@@ -84,7 +84,7 @@ def run_profile(cfg: Any, out_dir: str | Path) -> Path:
         table.provenance["target"] = str(cfg.target.name)
         table.save(tmp / TABLE_FILE)
         _rmtree(tmp / "work")
-    print(f"[profile] wrote {out / TABLE_FILE}: {table.provenance['engine_runs']} engine runs in "
+    print(f"[profile] wrote {out / TABLE_FILE}: {table.provenance["engine_runs"]} engine runs in "
           f"{table.provenance['profile_wall_s']:.0f} s ({table.label})", file=sys.stderr)
     return out / TABLE_FILE
 

@@ -116,7 +116,7 @@ class HfLlmEngine(Engine):
         p_ms = robust(pre, pct)
         dec = [(f - p_ms) / n for f in full]
         memory = self._memory(llm, spec, workload, log())
-        del llm
+        llm = None  # release the engine before the next model
         self.runs += 1
         return Measurement(prefill_ms=p_ms, decode_ms=robust(dec, pct), memory=memory,
                            raw={"prefill_ms": pre, "decode_ms": dec, "generate_ms": full},

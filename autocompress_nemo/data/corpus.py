@@ -1,0 +1,157 @@
+"""Documents: the embedded stdlib corpus, user files, and the deterministic held-out split.
+
+A document is one source file, one text file, or one line of a JSONL file. Its ``doc_id`` is
+a stable relative name (``json/decoder.py``, ``corpus.jsonl:17``): it decides the order of the
+corpus (sorted) and whether the document is held out (a stable hash of the id, plus an
+explicit list), so the split is the same on every machine and independent of the seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sysconfig
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
+STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib",
+                                  "__pycache__"})
+"""Path components that remove a stdlib file: installed packages, test suites, IDLE."""
+
+
+@dataclass(frozen=True)
+class Document:
+    doc_id: str
+    """Stable relative name: decides order and the held-out split."""
+    text: str
+
+
+class DataError(ValueError):
+    """Data that cannot be read; the message names the file and the fix."""
+
+
+def stdlib_dir() -> Path:
+    """The running Python's standard library (``sysconfig.get_paths()["stdlib"]``)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(root: Path | None = None) -> list[Path]:
+    """Every ``.py`` of the standard library except site-packages, test suites and idlelib,
+    sorted by relative path (the same list on every machine with the same Python)."""
+    root = root or stdlib_dir()
+    files = [
+        p for p in root.rglob("*.py")
+        if not STDLIB_EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])
+        and not p.name.startswith("test_")
+    ]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _read_text(path: Path) -> str:
+    # Python sources are UTF-8 unless they declare otherwise; a few stdlib files are latin-1.
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data.decode("latin-1")
+
+
+def stdlib_documents(root: Path | None = None) -> list[Document]:
+    """The embedded default corpus: one document per stdlib source file."""
+    root = root or stdlib_dir()
+    return [Document(p.relative_to(root).as_posix(), _read_text(p)) for p in stdlib_files(root)]
+
+
+def file_documents(paths: Sequence[str | Path], jsonl_field: str = "text") -> list[Document]:
+    """Documents from files and directories (recursively: .txt .md .rst .py .jsonl).
+
+    A ``.jsonl`` file gives one document per non-empty line, its text under ``jsonl_field``.
+    Ids are relative to the directory given (a file given directly keeps its name).
+    """
+    docs: list[Document] = []
+    for given in paths:
+        base = Path(given).expanduser()
+        if not base.exists():
+            raise DataError(f"data path {given} does not exist; fix data.paths")
+        if base.is_file():
+            files, root = [base], base.parent
+        else:
+            files = sorted((p for p in base.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES),
+                           key=lambda p: p.relative_to(base).as_posix())
+            root = base
+        for f in files:
+            rel = f.relative_to(root).as_posix() if base.is_dir() else f.name
+            if f.suffix == ".jsonl":
+                docs += _jsonl_documents(f, rel, jsonl_field)
+            else:
+                docs.append(Document(rel, _read_text(f)))
+    if not docs:
+        raise DataError(f"no text documents found under {list(map(str, paths))} (suffixes: {', '.join(TEXT_SUFFIXES)})")
+    return sorted(docs, key=lambda d: d.doc_id)
+
+
+def _jsonl_documents(path: Path, rel: str, key: str) -> list[Document]:
+    out = []
+    for i, line in enumerate(_read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
+            raise DataError(f"{path}:{i}: no string field {key!r}; set data.jsonl_field to the text's key")
+        out.append(Document(f"{rel}:{i}", obj[key]))
+    return out
+
+
+def stable_fraction(doc_id: str) -> float:
+    """A number in [0, 1) from the document id alone: ``sha256(id)[:8] / 2**32``."""
+    return int(hashlib.sha256(doc_id.encode()).hexdigest()[:8], 16) / 2**32
+
+
+def is_heldout(doc_id: str, fraction: float, named: Iterable[str] = ()) -> bool:
+    """Held out when named explicitly or when ``stable_fraction(id) < fraction``."""
+    return doc_id in set(named) or stable_fraction(doc_id) < fraction
+
+
+def split_documents(
+    docs: Sequence[Document], holdout_fraction: float, heldout_ids: Sequence[str] = ()
+) -> tuple[list[Document], list[Document]]:
+    """(calibration/distillation documents, held-out evaluation documents), order kept."""
+    named = set(heldout_ids)
+    missing = sorted(named - {d.doc_id for d in docs})
+    if missing:
+        raise DataError(f"data.heldout_files not in the corpus: {missing}")
+    train = [d for d in docs if not is_heldout(d.doc_id, holdout_fraction, named)]
+    held = [d for d in docs if is_heldout(d.doc_id, holdout_fraction, named)]
+    if not train or not held:
+        raise DataError(
+            f"the split of {len(docs)} documents left {len(train)} for training and {len(held)} held out; "
+            "change data.holdout_fraction or data.heldout_files"
+        )
+    return train, held
+
+
+def limit_documents(docs: Sequence[Document], max_documents: int) -> list[Document]:
+    """At most ``max_documents`` (0 = all), chosen by the stable hash (not alphabetically, which
+    would keep only one corner of the corpus); the result stays sorted by id."""
+    if max_documents <= 0 or max_documents >= len(docs):
+        return list(docs)
+    keep = sorted(docs, key=lambda d: (stable_fraction("limit:" + d.doc_id), d.doc_id))[:max_documents]
+    return sorted(keep, key=lambda d: d.doc_id)
+
+
+def load_documents(data: object) -> list[Document]:
+    """The documents of ``cfg.data`` (kind ``stdlib`` or ``files``), sorted by id."""
+    kind = getattr(data, "kind", None) if not isinstance(data, dict) else data.get("kind")
+    get = data.get if isinstance(data, dict) else lambda k, d=None: getattr(data, k, d)
+    if kind == "stdlib":
+        docs = stdlib_documents()
+    elif kind == "files":
+        docs = file_documents(list(get("paths", []) or []), str(get("jsonl_field", "text")))
+    else:
+        raise DataError(f"data.kind={kind!r} is unknown; use stdlib or files")
+    return limit_documents(docs, int(get("max_documents", 0) or 0))

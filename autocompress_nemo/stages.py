@@ -1,0 +1,353 @@
+"""The stages of one run as functions ``stage(ctx, out_dir, ...)`` writing into an artifact directory.
+
+``search/__main__.py`` calls them in order through ``pipeline.Run.stage`` (skip when
+complete, atomic artifacts, manifests). Heavy lifting lives in the stage subpackages;
+this module only loads inputs, calls them and saves outputs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autocompress_nemo.arch.counts import param_count
+from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.context import Context, load_weights, read_json, save_weights
+from autocompress_nemo.utils.artifacts import write_json_atomic
+
+METHODS = {"autocompress": "AutoCompress", "minitron_pp": "Minitron++"}
+
+
+# -- rank -------------------------------------------------------------------------------------------
+def rank(ctx: Context, out: Path) -> None:
+    """Importance from a calibration pass, the permutations, and the sorted parent."""
+    from autocompress_nemo.rank.importance import collect_importance
+    from autocompress_nemo.rank.reorder import apply_permutations, permutations_from_scores
+
+    spec, sd, _ = ctx.parent
+    s = ctx.cfg.search
+    model = ctx.model(spec, sd)
+    n_batches = max(1, int(s.calib_sequences) // int(s.batch_size))
+    batches = [ctx.batch_at("calib", i, int(s.batch_size), int(s.seq_len)) for i in range(n_batches)]
+    imp = collect_importance(model, spec, batches, ctx.forward, bool(ctx.cfg.cluster.sequence_parallel))
+    perms = permutations_from_scores(spec, imp, sort_hidden=bool(s.search_hidden))
+    write_json_atomic(out / "scores.json", imp.to_dict())
+    write_json_atomic(out / "permutations.json", perms.to_dict())
+    save_weights(out, spec, apply_permutations(spec, sd, perms))
+    ctx.say(f"[rank] {imp.tokens} calibration tokens; block importance "
+            + " ".join(f"{s.attn_block:.2f}/{s.mlp_block:.2f}" for s in imp.layers[:6]) + " ...")
+
+
+def sorted_parent(rank_dir: Path) -> tuple[ArchSpec, dict[str, torch.Tensor], Any, Any]:
+    """(spec, sorted state dict, Importance, Permutations) from the rank artifact."""
+    from autocompress_nemo.rank.importance import Importance
+    from autocompress_nemo.rank.reorder import Permutations
+
+    spec, sd = load_weights(rank_dir)
+    return spec, sd, Importance.from_dict(read_json(rank_dir / "scores.json")), Permutations.from_dict(
+        read_json(rank_dir / "permutations.json"))
+
+
+# -- budgets ------------------------------------------------------------------------------------------
+def parent_reference(ctx: Context, validation_dir: Path | None, predicted: dict[str, Any]) -> tuple[dict[str, float], str]:
+    """The parent's costs that relative budgets refer to: measured in the engine when the
+    validate stage measured it, else predicted (and said so)."""
+    if validation_dir is not None and (validation_dir / "validation.json").is_file():
+        v = read_json(validation_dir / "validation.json")
+        for row in v.get("rows", []):
+            if row.get("name") == "parent":
+                ref = {k[5:]: float(x) for k, x in row.items() if k.startswith("meas_") and not k.startswith("meas_mem_")}
+                ref["params"] = float(predicted["params"])
+                return ref, "measured"
+    return {k: float(v) for k, v in predicted.items() if isinstance(v, (int, float))}, "predicted"
+
+
+def budgets(ctx: Context, predictor: Any, parent: ArchSpec, validation_dir: Path | None) -> tuple[dict[str, float], str]:
+    from autocompress_nemo.costs.predictor import resolve_budget
+
+    ref, how = parent_reference(ctx, validation_dir, predictor.predict(parent))
+    return resolve_budget(ctx.cfg.target.budget, ref, int(ctx.cfg.target.workload.batch)), how
+
+
+class _Costs:
+    """The predictor restricted to the budget's metrics (the router's differentiable face)."""
+
+    def __init__(self, predictor: Any, metrics: tuple[str, ...]):
+        self.p, self.metrics = predictor, metrics
+
+    def predict(self, spec: ArchSpec) -> dict[str, float]:
+        return self.p.predict(spec)
+
+    def expected(self, options: list, probs: list, spec: ArchSpec) -> dict[str, torch.Tensor]:
+        return self.p.expected(options, probs, spec, metrics=self.metrics)
+
+
+# -- search + extract ----------------------------------------------------------------------------------
+def search(ctx: Context, out: Path, method: str, rank_dir: Path, table_path: Path, validation_dir: Path | None,
+           ckpt_dir: Path) -> None:
+    """Choose the architecture (``arch.json``) with the router or the Minitron++ enumeration."""
+    from autocompress_nemo.extract.archjson import arch_record
+    from autocompress_nemo.extract.repair import grow, option_importance, repair
+    from autocompress_nemo.profile.stage import load_table
+    from autocompress_nemo.costs.predictor import Predictor
+    from autocompress_nemo.rank.reorder import sorted_importance
+    from autocompress_nemo.search.autocompress import SearchOutcome, check_budget_reachable, run_router_search
+    from autocompress_nemo.search.minitron import run_minitron_pp
+    from autocompress_nemo.search.space import apply_choices, build_space
+
+    cfg, s = ctx.cfg, ctx.cfg.search
+    spec, sd, imp, perms = sorted_parent(rank_dir)
+    predictor = Predictor(load_table(cfg, table_path), cfg.target)
+    budget, how = budgets(ctx, predictor, spec, validation_dir)
+    costs = _Costs(predictor, tuple(budget))
+    decisions = build_space(spec, cfg.target.engine.capabilities, int(s.ffn_options))
+    ctx.say(f"[search:{method}] budgets {budget} (relative ones against the {how} parent); "
+            f"{len(decisions)} decisions, {sum(len(d.options) for d in decisions)} options")
+    verdict = check_budget_reachable(spec, decisions, costs, budget)
+    parent_choices = [d.parent_option for d in decisions]
+    if verdict == "parent":
+        ctx.say(f"[search:{method}] the parent already meets every budget: returning the parent")
+        outcome = SearchOutcome(parent_choices, [[float(k == d.parent_option) for k in range(len(d.options))]
+                                                 for d in decisions])
+    else:
+        model = ctx.model(spec, sd)
+        seq, bs = int(s.seq_len), int(s.batch_size)
+
+        def batch_at(step: int) -> torch.Tensor:
+            return ctx.batch_at("train", step, bs, seq, seed_offset=17)
+
+        if method == "autocompress":
+            outcome = run_router_search(model, spec, decisions, costs, budget, batch_at, ctx.forward, s,
+                                        seed=int(cfg.seed), checkpoint=str(ckpt_dir / "router.pt"), log=ctx.say,
+                                        router_init=str(s.get("router_init", "uniform")))
+        else:
+            outcome = run_minitron_pp(model, spec, decisions, costs, budget, batch_at, ctx.forward, s, log=ctx.say)
+    imps = option_importance(decisions, sorted_importance(imp, perms))
+    final, r_steps = repair(spec, decisions, outcome.choices, costs.predict, budget, imps, log=ctx.say)
+    g_steps = 0
+    if method == "autocompress" and verdict != "parent":
+        final, g_steps = grow(spec, decisions, final, costs.predict, budget, imps, float(s.grow_threshold), log=ctx.say)
+    child = apply_choices(spec, decisions, final).replace(name=f"{spec.name}-{method}")
+    pred = predictor.predict(child)
+    rec = arch_record(method, spec, child, decisions, outcome.probs, outcome.choices, final, pred,
+                      predictor.predict(spec), budget, outcome.tokens, r_steps, g_steps, predictor.table.label)
+    rec["budget_reference"] = how
+    rec["params"] = param_count(child)
+    rec["search_wall_s"] = round(outcome.wall_s, 2)
+    write_json_atomic(out / "arch.json", rec)
+    write_json_atomic(out / "trajectory.json", outcome.trajectory)
+    _plot_trajectory(outcome.trajectory, out / "trajectory.png", method)
+    ctx.say(f"[search:{method}] chose {child.pattern} params {param_count(child):,} predicted "
+            + ", ".join(f"{m}={pred[m]:.4g}/{b:.4g}" for m, b in budget.items()))
+
+
+def _plot_trajectory(traj: list[dict], path: Path, method: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not traj or "step" not in traj[0]:
+        fig, ax = plt.subplots(figsize=(5, 3))
+        ax.bar(range(len(traj)), [r.get("kd", 0.0) for r in traj])
+        ax.set_title(f"{METHODS.get(method, method)}: KD loss per scored candidate")
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        return
+    steps = [r["step"] for r in traj]
+    metrics = [k[len("expected_"):] for k in traj[0] if k.startswith("expected_")]
+    fig, axes = plt.subplots(1, 2 + len(metrics), figsize=(4 * (2 + len(metrics)), 3))
+    axes[0].plot(steps, [r["kd"] for r in traj])
+    axes[0].set_title("KD loss")
+    axes[1].plot(steps, [r["entropy"] for r in traj])
+    axes[1].set_title("choice entropy")
+    for ax, m in zip(axes[2:], metrics, strict=True):
+        ax.plot(steps, [r[f"expected_{m}"] for r in traj], label="expected (predicted)")
+        ax.axhline(traj[0][f"budget_{m}"], color="r", ls="--", label="budget")
+        ax.set_title(m)
+        ax.legend(fontsize=7)
+    for ax in axes:
+        ax.set_xlabel("step")
+    fig.suptitle(f"{METHODS.get(method, method)} search trajectory (costs estimated by the cost table)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def extract(ctx: Context, out: Path, rank_dir: Path, search_dir: Path) -> None:
+    """Slice the chosen architecture from the sorted **parent** weights."""
+    from autocompress_nemo.extract.slice import slice_state_dict
+    from autocompress_nemo.models.llama.hf_io import export_hf
+
+    spec, sd, _, _ = sorted_parent(rank_dir)
+    rec = read_json(search_dir / "arch.json")
+    child = ArchSpec.from_dict(rec["child"])
+    child_sd = slice_state_dict(spec, sd, child)
+    save_weights(out, child, child_sd)
+    write_json_atomic(out / "arch.json", rec)
+    export_hf(child, child_sd, out / "hf", tokenizer=None)
+    ctx.say(f"[extract] {child.pattern}: {param_count(child):,} parameters "
+            f"({param_count(child) / param_count(spec):.1%} of the parent)")
+
+
+# -- distill -------------------------------------------------------------------------------------------
+def distill(ctx: Context, out: Path, rank_dir: Path, extract_dir: Path, ckpt_dir: Path) -> None:
+    from autocompress_nemo.distill.recover import distill as run_distill
+    from autocompress_nemo.models.llama.state_dict_adapter import megatron_to_hf
+
+    d = ctx.cfg.distill
+    pspec, psd, _, _ = sorted_parent(rank_dir)
+    cspec, csd = load_weights(extract_dir)
+    teacher = ctx.model(pspec, psd)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    student = ctx.model(cspec, csd)
+    seq, bs = int(d.seq_len), int(d.batch_size)
+    result = run_distill(student, teacher, ctx.forward, lambda step: ctx.batch_at("train", step, bs, seq, seed_offset=29),
+                         d, ckpt_dir, int(ctx.cfg.seed))
+    save_weights(out, cspec, megatron_to_hf(cspec, student))
+    write_json_atomic(out / "distill.json", result)
+
+
+# -- evaluate ----------------------------------------------------------------------------------------------
+def heldout_perplexity(ctx: Context, spec: ArchSpec, sd: dict[str, torch.Tensor]) -> dict[str, float]:
+    from autocompress_nemo.distill.kd import kd_loss, lm_loss
+
+    ev = ctx.cfg.get("evaluate", None)
+    seq = int(ev.seq_len) if ev is not None and "seq_len" in ev else 256
+    nb = int(ev.max_batches) if ev is not None and "max_batches" in ev else 8
+    batches = ctx.heldout_batches(2, seq, nb)
+    model = ctx.model(spec, sd)
+    pspec, psd, _ = ctx.parent
+    nll, kd = [], []
+    with torch.no_grad():
+        teacher = ctx.model(pspec, psd) if spec != pspec else None
+        for x in batches:
+            logits = ctx.forward(model, x)
+            nll.append(float(lm_loss(logits, x)))
+            if teacher is not None:
+                kd.append(float(kd_loss(logits, ctx.forward(teacher, x))))
+    mean = sum(nll) / len(nll)
+    return {"heldout_nll": mean, "heldout_ppl": float(torch.tensor(mean).exp()), "heldout_tokens": sum(x.numel() for x in batches),
+            "kd_to_parent": (sum(kd) / len(kd)) if kd else 0.0}
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True, default=str))
+
+
+def evaluate(ctx: Context, out: Path, rank_dir: Path, table_path: Path, validation_dir: Path | None,
+             students: dict[str, Path]) -> None:
+    """Accuracy on held-out text and costs measured in the target's engine, against the budgets,
+    next to the predictions — for the parent and every student, measured in one interleaved session."""
+    from autocompress_nemo.costs.engines import get_engine
+    from autocompress_nemo.costs.engines.base import Workload
+    from autocompress_nemo.costs.predictor import Predictor
+    from autocompress_nemo.profile.stage import load_table
+
+    cfg = ctx.cfg
+    pspec, psd, _ = ctx.parent
+    predictor = Predictor(load_table(cfg, table_path), cfg.target)
+    budget, how = budgets(ctx, predictor, pspec, validation_dir)
+    models: dict[str, tuple[ArchSpec, dict[str, torch.Tensor]]] = {"parent": (pspec, psd)}
+    for name, d in students.items():
+        models[name] = load_weights(d)
+    results: dict[str, Any] = {"budgets": budget, "budget_reference": how, "models": {}}
+    for name, (spec, sd) in models.items():
+        ctx.say(f"[evaluate] {name}: held-out perplexity")
+        acc = heldout_perplexity(ctx, spec, sd)
+        results["models"][name] = {"spec": spec.to_dict(), "pattern": spec.pattern, "params": param_count(spec),
+                                   "accuracy": acc, "predicted": _numbers(predictor.predict(spec))}
+    engine = get_engine(cfg.target, workdir=out / "engine_work")
+    wl = Workload.from_config(cfg.target.workload)
+    specs = [models[n][0].replace(name=n) for n in models]
+    if engine.estimated:
+        ctx.say("[evaluate] the target's engine is an analytic estimate: costs are estimated, not measured")
+    measured = engine.measure_many(specs, wl, log=lambda m: ctx.say(f"[evaluate] {m}"))
+    label = f"{engine.name} {engine.version()} on {engine.device()}" + (" (estimated, not measured)" if engine.estimated else "")
+    for n, m in zip(models, measured, strict=True):
+        meas = {"prefill_ms": m.prefill_ms, "ttft_ms": m.prefill_ms, "decode_ms": m.decode_ms, "tpot_ms": m.decode_ms,
+                "response_latency_ms": m.prefill_ms + wl.output_len * m.decode_ms,
+                "throughput_tps": 1000.0 * wl.batch / m.decode_ms if m.decode_ms else float("inf"),
+                "memory_bytes": m.memory_bytes, "params": float(param_count(models[n][0]))}
+        r = results["models"][n]
+        r["measured"] = meas
+        r["measured_memory"] = m.memory
+        r["measured_by"] = label
+        r["spread"] = m.spread
+        r["budget_check"] = {k: {"budget": b, "measured": meas[k], "predicted": r["predicted"].get(k),
+                                 "pass": bool(meas[k] <= b)} for k, b in budget.items()}
+    import shutil
+
+    shutil.rmtree(out / "engine_work", ignore_errors=True)
+    write_json_atomic(out / "evaluation.json", results)
+    for n, r in results["models"].items():
+        ctx.say(f"[evaluate] {n}: ppl {r['accuracy']['heldout_ppl']:.3f} params {r['params']:,} "
+                + " ".join(f"{k} {c['measured']:.4g}/{c['budget']:.4g} {'PASS' if c['pass'] else 'FAIL'}"
+                           for k, c in r["budget_check"].items()))
+
+
+def _numbers(d: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def export(ctx: Context, out: Path, student_dir: Path) -> None:
+    """The student in the engine's format (GGUF for llama.cpp), as a Hugging Face directory
+    (DeciLM-style ``block_configs`` when heterogeneous) and as a Megatron checkpoint."""
+    import numpy as np
+
+    from autocompress_nemo.export.gguf import write_gguf
+    from autocompress_nemo.models.llama.hf_io import export_hf
+
+    spec, sd = load_weights(student_dir)
+    export_hf(spec, sd, out / "hf", tokenizer=None)
+    if str(ctx.cfg.target.engine.name) == "llama_cpp":
+        path = write_gguf(spec, out / f"{spec.name or 'student'}.gguf", {k: v.float().numpy().astype(np.float32) for k, v in sd.items()},
+                          tokenizer_from=ctx.parent_gguf(), dtype=str(ctx.cfg.target.engine.dtype))
+        ctx.say(f"[export] GGUF ({'llama' if spec.is_uniform() else 'deci'}) -> {path}")
+    model = ctx.model(spec, sd)
+    torch.save({"arch_spec": spec.to_dict(), "megatron_state_dict": model.state_dict()}, out / "megatron_model.pt")
+
+
+def report(ctx: Context, run: Any, methods: list[str], validation_dir: Path | None) -> Path:
+    """``report.md`` / ``report.json`` and the plots in the run directory."""
+    from autocompress_nemo.report import write_report
+
+    results = collect_results(ctx, run, methods, validation_dir)
+    write_report(run.dir, results)
+    return run.dir / "report.md"
+
+
+def collect_results(ctx: Context, run: Any, methods: list[str], validation_dir: Path | None) -> dict[str, Any]:
+    """Everything the report shows, read back from the artifacts of this run."""
+    from autocompress_nemo.utils.artifacts import read_manifest
+
+    d = run.dir
+    ev = read_json(d / "evaluate" / "evaluation.json") if (d / "evaluate" / "evaluation.json").is_file() else {}
+    res: dict[str, Any] = {
+        "target": {"name": str(ctx.cfg.target.name), "description": str(ctx.cfg.target.get("description", "")),
+                   "engine": str(ctx.cfg.target.engine.name), "hardware": str(ctx.cfg.target.hardware.name),
+                   "workload": dict(ctx.cfg.target.workload)},
+        "budgets": ev.get("budgets", {}), "budget_reference": ev.get("budget_reference", ""),
+        "models": ev.get("models", {}), "methods": {}, "stages_wall_s": {},
+    }
+    for m in methods:
+        arch = d / f"search_{m}" / "arch.json"
+        if arch.is_file():
+            rec = read_json(arch)
+            dist = d / f"distill_{m}" / "distill.json"
+            res["methods"][m] = {"label": METHODS.get(m, m), "arch": rec,
+                                 "trajectory": read_json(d / f"search_{m}" / "trajectory.json"),
+                                 "selection_tokens": rec.get("selection_tokens", 0),
+                                 "recovery_tokens": read_json(dist).get("tokens", 0) if dist.is_file() else 0}
+    if validation_dir is not None and (validation_dir / "validation.json").is_file():
+        res["validation"] = read_json(validation_dir / "validation.json")["summary"]
+    for p in sorted(d.iterdir()):
+        m = read_manifest(p) if p.is_dir() else None
+        if m:
+            res["stages_wall_s"][p.name] = m.get("wall_s")
+    return res
