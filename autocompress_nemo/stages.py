@@ -124,7 +124,8 @@ def search(ctx: Context, out: Path, method: str, rank_dir: Path, table_path: Pat
                                         seed=int(cfg.seed), checkpoint=str(ckpt_dir / "router.pt"), log=ctx.say,
                                         router_init=str(s.get("router_init", "uniform")))
         else:
-            outcome = run_minitron_pp(model, spec, decisions, costs, budget, batch_at, ctx.forward, s, log=ctx.say)
+            outcome = run_minitron_pp(model, spec, decisions, costs, budget, batch_at, ctx.forward, s, log=ctx.say,
+                                      fresh_model=lambda: ctx.model(spec, sd))
     imps = option_importance(decisions, sorted_importance(imp, perms))
     final, r_steps = repair(spec, decisions, outcome.choices, costs.predict, budget, imps, log=ctx.say)
     g_steps = 0

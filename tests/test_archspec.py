@@ -109,10 +109,22 @@ def test_json_round_trip_of_shipped_models(model):
 def test_json_round_trip_heterogeneous_with_removed_blocks():
     A, M = AttentionBlock, MlpBlock
     spec = ArchSpec(
-        hidden=64, vocab=128, name="hetero", tied_embeddings=True,
-        blocks=(A(4, 2, 16), M(96), A(0, 0, 16), M(64), A(2, 1, 16), M(0),
-                MambaBlock(4, 16, 16, 2), MoeBlock(4, 32, 2, shared_ffn=0, activation="relu2"),
-                MambaBlock(0, 16, 16, 2), MoeBlock(0, 32, 1)),
+        hidden=64,
+        vocab=128,
+        name="hetero",
+        tied_embeddings=True,
+        blocks=(
+            A(4, 2, 16),
+            M(96),
+            A(0, 0, 16),
+            M(64),
+            A(2, 1, 16),
+            M(0),
+            MambaBlock(4, 16, 16, 2),
+            MoeBlock(4, 32, 2, shared_ffn=0, activation="relu2"),
+            MambaBlock(0, 16, 16, 2),
+            MoeBlock(0, 32, 1),
+        ),
     )
     back = ArchSpec.from_json(spec.to_json())
     assert back == spec

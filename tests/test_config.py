@@ -34,7 +34,7 @@ def expected_rejection(target: str, model: str) -> list[str]:
     """The message fragments validate must give for this combination ([] = must validate)."""
     out = []
     if target in LLAMA_CPP_TARGETS and model not in DENSE_LLAMA:
-        out.append("engine llama_cpp (target %s) cannot serve" % target)
+        out.append(f"engine llama_cpp (target {target}) cannot serve")
     if CONTEXT.get(target, 0) > MAX_POSITION.get(model, 10**9):
         out.append(f"exceeds model {model}'s max_position")
     if target == "h100x8_serving" and model in {"smollm2_135m", "tiny_llama", "tiny_moe", "tiny_hybrid"}:
@@ -44,8 +44,16 @@ def expected_rejection(target: str, model: str) -> list[str]:
 
 def test_shipped_configs_are_the_ones_promised():
     assert {"rtx5070_npc", "rtx5080_coding", "h100x8_serving", "b200_128k", "cpu_chat", "cpu_coding"} <= set(TARGETS)
-    assert {"smollm2_135m", "llama3_8b", "qwen3_30b_a3b", "nemotron3_nano", "nemotron_super",
-            "tiny_llama", "tiny_moe", "tiny_hybrid"} <= set(MODELS)
+    assert {
+        "smollm2_135m",
+        "llama3_8b",
+        "qwen3_30b_a3b",
+        "nemotron3_nano",
+        "nemotron_super",
+        "tiny_llama",
+        "tiny_moe",
+        "tiny_hybrid",
+    } <= set(MODELS)
     assert {"default", "quick", "minitron_pp"} <= set(resolve.available("search"))
     assert {"default", "quick"} <= set(resolve.available("distill"))
     assert {"stdlib", "files"} <= set(resolve.available("data"))
@@ -150,13 +158,25 @@ def test_negative_budget():
 @pytest.mark.parametrize(
     "target,index,value,fragment",
     [
-        ("cpu_coding", 1, "300ms", "budget memory_bytes: '300ms' is a time value, but memory_bytes is measured in bytes"),
+        (
+            "cpu_coding",
+            1,
+            "300ms",
+            "budget memory_bytes: '300ms' is a time value, but memory_bytes is measured in bytes",
+        ),
         ("cpu_chat", 0, "2GB", "budget decode_ms: '2GB' is a memory value, but decode_ms is measured in ms"),
-        ("h100x8_serving", 0, "40ms", "budget throughput_tps: '40ms' is a time value, but throughput_tps is measured in tokens/s"),
+        (
+            "h100x8_serving",
+            0,
+            "40ms",
+            "budget throughput_tps: '40ms' is a time value, but throughput_tps is measured in tokens/s",
+        ),
     ],
 )
 def test_budget_in_wrong_units(target, index, value, fragment):
-    msg = _error([f"+target={target}", "model=llama3_8b", "dry_run=true", f"target.budget.constraints.{index}.value={value}"])
+    msg = _error(
+        [f"+target={target}", "model=llama3_8b", "dry_run=true", f"target.budget.constraints.{index}.value={value}"]
+    )
     assert fragment in msg
 
 
@@ -170,15 +190,24 @@ def test_budget_parsing():
     assert p("decode_ms", "0.6x").relative == 0.6 and p("decode_ms", "0.6x").limit(10.0) == 6.0
     assert p("throughput_tps", "1.5x").met(16.0, parent_value=10.0)
     assert not p("decode_ms", 5).met(6.0)
-    with pytest.raises(resolve.BudgetError, match="unknown budget metric 'latency'; known metrics: response_latency_ms"):
+    with pytest.raises(
+        resolve.BudgetError, match="unknown budget metric 'latency'; known metrics: response_latency_ms"
+    ):
         p("latency", 3)
     with pytest.raises(resolve.BudgetError, match="must be positive"):
         p("decode_ms", "0x")
 
 
 def test_unknown_metric_and_every_problem_together():
-    msg = _error(["model=tiny_llama", "target.budget.constraints.0.metric=speed",
-                  "target.workload.input_len=2000", "search.slack=2.0", "model.heads=3"])
+    msg = _error(
+        [
+            "model=tiny_llama",
+            "target.budget.constraints.0.metric=speed",
+            "target.workload.input_len=2000",
+            "search.slack=2.0",
+            "model.heads=3",
+        ]
+    )
     assert msg.startswith("invalid configuration (4 problems)")
     assert "unknown budget metric 'speed'; known metrics:" in msg
     assert "input_len 2000 + output_len 64 = 2064 is longer than context_len 1024" in msg
@@ -196,7 +225,9 @@ def test_model_file_missing():
 
 def test_model_package_missing():
     msg = _error(["model.source.package=no_such_pkg_acn"])
-    assert "Python package 'no_such_pkg_acn', which is not installed; install it with `pip install no-such-pkg-acn`" in msg
+    assert (
+        "Python package 'no_such_pkg_acn', which is not installed; install it with `pip install no-such-pkg-acn`" in msg
+    )
 
 
 def test_tp_not_dividing_heads():
@@ -236,10 +267,12 @@ def test_validate_does_not_mutate():
 
 # -- the command line -------------------------------------------------------------------------------
 
+
 def _cli(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, HYDRA_FULL_ERROR="0")
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120
+    )
 
 
 def _entry_modules() -> list[str]:

@@ -157,8 +157,12 @@ def test_file_loader_text_jsonl_and_directories(tmp_path):
     (sub / "skip.bin").write_bytes(b"\x00")
     (tmp_path / "c.jsonl").write_text(json.dumps({"text": "gamma"}) + "\n\n" + json.dumps({"text": "delta"}) + "\n")
     got = file_documents([tmp_path])
-    assert [(d.doc_id, d.text) for d in got] == [("a.txt", "alpha"), ("c.jsonl:1", "gamma"),
-                                                ("c.jsonl:3", "delta"), ("sub/b.md", "beta")]
+    assert [(d.doc_id, d.text) for d in got] == [
+        ("a.txt", "alpha"),
+        ("c.jsonl:1", "gamma"),
+        ("c.jsonl:3", "delta"),
+        ("sub/b.md", "beta"),
+    ]
     assert [d.doc_id for d in file_documents([tmp_path / "a.txt"])] == ["a.txt"]
     (tmp_path / "bad.jsonl").write_text('{"content": "x"}\n')
     with pytest.raises(DataError, match="bad.jsonl:1: no string field 'text'; set data.jsonl_field"):

@@ -143,15 +143,17 @@ def test_rolling_windows_predict_every_token_once(model) -> None:
     from autocompress_nemo.evaluate import TorchLM
 
     lm = TorchLM(model, _fwd(), ByteTokenizer(), max_length=8)
-    text = "abcdefghijklmnopqrstu"  # 21 bytes -> several windows of 8
+    text = "abcdefghijklmnopqrstu"  # 21 bytes -> three windows of at most 8 predictions
     (ll,) = lm.loglikelihood_rolling([types.SimpleNamespace(args=(text,))])
     ids = [0] + ByteTokenizer().encode(text)
-    by_hand = 0.0
-    for start in range(0, len(ids) - 1, 7):  # disjoint predicted spans; full 8-token context where possible
-        end = min(start + 7, len(ids) - 1)
-        lo = max(0, end - 8)
-        lp = _logprobs(model, ids[lo:end])
-        by_hand += sum(float(lp[t - lo - 1, ids[t]]) for t in range(start + 1, end + 1))
+    by_hand, L = 0.0, 8
+    # lm-eval's windows (context_len=1, as its HF model): predicted spans [s, e) of up to L ids,
+    # each from the L ids before its last prediction, so the last window gets full context
+    for s in range(1, len(ids), L):
+        e = min(s + L, len(ids))
+        lo = max(0, e - 1 - L)
+        lp = _logprobs(model, ids[lo : e - 1])
+        by_hand += sum(float(lp[t - lo - 1, ids[t]]) for t in range(s, e))
     assert ll == pytest.approx(by_hand, rel=1e-5)
 
 
@@ -184,8 +186,9 @@ def test_engine_check_llama_cpp_against_budget(tmp_path: Path) -> None:
     from autocompress_nemo.evaluate import engine_check
 
     target = compose(["target=tiny_cpu"]).target  # budget: decode_ms <= 0.6x the parent's
-    parent = ArchSpec.llama(hidden=128, vocab=256, layers=4, heads=4, kv_groups=2, ffn=512, head_dim=32, name="p")
-    student = ArchSpec.llama(hidden=128, vocab=256, layers=2, heads=4, kv_groups=2, ffn=256, head_dim=32, name="s")
+    vocab = 49152  # the GGUF writer copies SmolLM2's tokenizer, so the vocabulary is its size
+    parent = ArchSpec.llama(hidden=64, vocab=vocab, layers=4, heads=4, kv_groups=2, ffn=256, name="p")
+    student = ArchSpec.llama(hidden=64, vocab=vocab, layers=2, heads=4, kv_groups=2, ffn=128, name="s")
     engine = get_engine(target, tmp_path)
     parent_res = engine_check(parent, target, engine=engine)
     assert parent_res["checks"][0]["pass"] is None and "cannot resolve" in parent_res["checks"][0]["note"]

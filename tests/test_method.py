@@ -130,3 +130,19 @@ def test_infeasible_budget_and_parent_meets() -> None:
     with pytest.raises(ValueError, match="smallest architecture in the search space costs params="):
         check_budget_reachable(spec, decisions, ParamCost(), {"params": 1000.0})
     assert check_budget_reachable(spec, decisions, ParamCost(), {"params": 2.0 * param_count(spec)}) == "parent"
+
+
+def test_rerun_from_saved_scores_reproduces_sorted_parent(tmp_path) -> None:
+    import json
+
+    from autocompress_nemo.rank.importance import Importance
+    from autocompress_nemo.rank.reorder import Permutations
+
+    spec, sd, _, imp, perms, sorted_sd = _ranked()
+    (tmp_path / "scores.json").write_text(json.dumps(imp.to_dict()))
+    (tmp_path / "perms.json").write_text(json.dumps(perms.to_dict()))
+    imp2 = Importance.from_dict(json.loads((tmp_path / "scores.json").read_text()))
+    again = apply_permutations(spec, sd, permutations_from_scores(spec, imp2))
+    from_perms = apply_permutations(spec, sd, Permutations.from_dict(json.loads((tmp_path / "perms.json").read_text())))
+    for k, v in sorted_sd.items():
+        assert torch.equal(again[k], v) and torch.equal(from_perms[k], v), k

@@ -23,8 +23,10 @@ def main(cfg: DictConfig) -> None:
     kv_bytes = resolve.dtype_bytes(cfg.target.engine.kv_dtype)
     print("# derived")
     print(f"model: {cfg.model.name}  blocks: {spec.pattern}")
-    print(f"parameters: {param_count(spec):,}  active: {active_param_count(spec):,}  "
-          f"KV bytes/token ({cfg.target.engine.kv_dtype}): {kv_bytes_per_token(spec, kv_bytes):,.0f}")
+    print(
+        f"parameters: {param_count(spec):,}  active: {active_param_count(spec):,}  "
+        f"KV bytes/token ({cfg.target.engine.kv_dtype}): {kv_bytes_per_token(spec, kv_bytes):,.0f}"
+    )
     path = resolve.model_file(cfg.model) if not cfg.dry_run else None
     print(f"weights: {path if path else cfg.model.source.kind}")
     for b in resolve.budgets(cfg.target):

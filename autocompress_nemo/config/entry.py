@@ -75,9 +75,7 @@ def check_choices(args: Sequence[str]) -> None:
             continue
         group, package, value = m.groups()
         if group in TARGET_PARTS and package is None:
-            problems.append(
-                f"{group}={value}: a target's {group} is chosen with {group}@target.{group}={value}"
-            )
+            problems.append(f"{group}={value}: a target's {group} is chosen with {group}@target.{group}={value}")
             continue
         if group not in GROUPS and not (group in TARGET_PARTS and package == f"target.{group}"):
             continue

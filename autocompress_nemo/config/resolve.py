@@ -38,15 +38,25 @@ class Metric:
 METRICS: dict[str, Metric] = {
     m.name: m
     for m in (
-        Metric("response_latency_ms", "time", "ms", True,
-               "time to first token + output_len x time per output token, at the workload's batch"),
+        Metric(
+            "response_latency_ms",
+            "time",
+            "ms",
+            True,
+            "time to first token + output_len x time per output token, at the workload's batch",
+        ),
         Metric("ttft_ms", "time", "ms", True, "time to first token (prefill of input_len tokens)"),
         Metric("tpot_ms", "time", "ms", True, "time per output token (a decode step) at the workload's context"),
         Metric("prefill_ms", "time", "ms", True, "prefill time of input_len tokens at the workload's batch"),
         Metric("decode_ms", "time", "ms", True, "one decode step at the workload's batch and context"),
         Metric("throughput_tps", "rate", "tokens/s", False, "generated tokens per second at the workload's batch"),
-        Metric("memory_bytes", "memory", "bytes", True,
-               "weights + KV cache / SSM state at full context and batch + workspace + runtime buffers"),
+        Metric(
+            "memory_bytes",
+            "memory",
+            "bytes",
+            True,
+            "weights + KV cache / SSM state at full context and batch + workspace + runtime buffers",
+        ),
         Metric("params", "count", "parameters", True, "total parameters"),
     )
 }
@@ -55,14 +65,26 @@ METRICS: dict[str, Metric] = {
 _UNITS: dict[str, dict[str, float]] = {
     "time": {"ns": 1e-6, "us": 1e-3, "µs": 1e-3, "ms": 1.0, "s": 1e3, "sec": 1e3, "min": 6e4},
     "memory": {
-        "b": 1.0, "bytes": 1.0, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-        "kib": 2.0**10, "mib": 2.0**20, "gib": 2.0**30, "tib": 2.0**40,
+        "b": 1.0,
+        "bytes": 1.0,
+        "kb": 1e3,
+        "mb": 1e6,
+        "gb": 1e9,
+        "tb": 1e12,
+        "kib": 2.0**10,
+        "mib": 2.0**20,
+        "gib": 2.0**30,
+        "tib": 2.0**40,
     },
     "rate": {"tok/s": 1.0, "tokens/s": 1.0, "tps": 1.0, "tok/ms": 1e3},
     "count": {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12},
 }
-_EXAMPLES = {"time": "'40ms' or 40", "memory": "'12GB', '512MiB' or 12000000000",
-             "rate": "'50tok/s' or 50", "count": "'74B', '135M' or 74000000000"}
+_EXAMPLES = {
+    "time": "'40ms' or 40",
+    "memory": "'12GB', '512MiB' or 12000000000",
+    "rate": "'50tok/s' or 50",
+    "count": "'74B', '135M' or 74000000000",
+}
 _QUANTITY = re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([A-Za-zµ/]+)\s*$")
 
 
@@ -209,6 +231,7 @@ def model_file(model: Any) -> Path | None:
 
 # -- parallelism --------------------------------------------------------------------------------
 
+
 def world_size(cluster: Any) -> int:
     """Processes of a distributed stage: ``nodes x (gpus_per_node or processes_per_node)``."""
     gpus = int(_get(cluster, "gpus_per_node", 0) or 0)
@@ -226,13 +249,18 @@ def data_parallel_size(cluster: Any) -> int:
 # -- dtypes ---------------------------------------------------------------------------------------
 
 DTYPE_BYTES: dict[str, float] = {
-    "f32": 4.0, "fp32": 4.0, "f16": 2.0, "fp16": 2.0, "bf16": 2.0,
-    "fp8": 1.0, "f8": 1.0,
-    "nvfp4": 0.5 + 1 / 16,   # 4-bit values + one FP8 scale per 16 values
-    "mxfp4": 0.5 + 1 / 32,   # 4-bit values + one 8-bit scale per 32 values
-    "q8_0": 34 / 32,         # GGUF block of 32: 32 int8 + f16 scale
-    "q4_0": 18 / 32,         # 16 bytes of nibbles + f16 scale
-    "q4_1": 20 / 32,         # + f16 minimum
+    "f32": 4.0,
+    "fp32": 4.0,
+    "f16": 2.0,
+    "fp16": 2.0,
+    "bf16": 2.0,
+    "fp8": 1.0,
+    "f8": 1.0,
+    "nvfp4": 0.5 + 1 / 16,  # 4-bit values + one FP8 scale per 16 values
+    "mxfp4": 0.5 + 1 / 32,  # 4-bit values + one 8-bit scale per 32 values
+    "q8_0": 34 / 32,  # GGUF block of 32: 32 int8 + f16 scale
+    "q4_0": 18 / 32,  # 16 bytes of nibbles + f16 scale
+    "q4_1": 20 / 32,  # + f16 minimum
     "q5_0": 22 / 32,
     "q5_1": 24 / 32,
 }
@@ -248,6 +276,7 @@ def dtype_bytes(dtype: str) -> float:
 
 
 # -- config groups --------------------------------------------------------------------------------
+
 
 def available(group: str, conf_dir: Path = CONF_DIR) -> list[str]:
     """Option names of a config group (the yaml files under ``conf/<group>/``), sorted."""

@@ -211,6 +211,12 @@ class SearchConfig:
     minitron_candidates: int = 4
     """Minitron++: feasible uniform candidates scored by distillation loss."""
     minitron_score_batches: int = 4
+    minitron_retrain_steps: int = 0
+    """Minitron++: short distillation steps given to each scored candidate before scoring
+    (Minitron's lightweight retraining of its top candidates); its tokens count as
+    architecture-selection tokens."""
+    router_init: str = "uniform"
+    """Router logits at the start: ``uniform``, ``parent`` (biased to the parent's widths) or ``linear``."""
     checkpoint_every: int = 50
 
 

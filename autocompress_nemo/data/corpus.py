@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
-STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib",
-                                  "__pycache__"})
+STDLIB_EXCLUDED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "__pycache__"}
+)
 """Path components that remove a stdlib file: installed packages, test suites, IDLE."""
 
 
@@ -42,9 +43,9 @@ def stdlib_files(root: Path | None = None) -> list[Path]:
     sorted by relative path (the same list on every machine with the same Python)."""
     root = root or stdlib_dir()
     files = [
-        p for p in root.rglob("*.py")
-        if not STDLIB_EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])
-        and not p.name.startswith("test_")
+        p
+        for p in root.rglob("*.py")
+        if not STDLIB_EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1]) and not p.name.startswith("test_")
     ]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
@@ -78,8 +79,10 @@ def file_documents(paths: Sequence[str | Path], jsonl_field: str = "text") -> li
         if base.is_file():
             files, root = [base], base.parent
         else:
-            files = sorted((p for p in base.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES),
-                           key=lambda p: p.relative_to(base).as_posix())
+            files = sorted(
+                (p for p in base.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES),
+                key=lambda p: p.relative_to(base).as_posix(),
+            )
             root = base
         for f in files:
             rel = f.relative_to(root).as_posix() if base.is_dir() else f.name

@@ -55,7 +55,7 @@ class PackedDataset:
             raise IndexError(f"sequence {i} out of range (0..{self._n - 1})")
         i %= self._n
         start = i * self.seq_len
-        return self.tokens[start:start + self.seq_len + 1].astype(np.int64)
+        return self.tokens[start : start + self.seq_len + 1].astype(np.int64)
 
     def sequences(self, indices: np.ndarray) -> np.ndarray:
         """int64 [len(indices), T+1]."""
@@ -79,7 +79,7 @@ class PackedDataset:
                 "use more text, a shorter seq_len or a smaller batch"
             )
         epoch, k = divmod(int(step), per_epoch)
-        return self.epoch_order(seed, epoch)[k * batch_size:(k + 1) * batch_size]
+        return self.epoch_order(seed, epoch)[k * batch_size : (k + 1) * batch_size]
 
     def batches(
         self,
@@ -103,7 +103,7 @@ class PackedDataset:
         step = int(start_step)
         end = None if num_steps is None else step + int(num_steps)
         while end is None or step < end:
-            idx = self.batch_indices(step, batch_size, seed)[dp_rank * local:(dp_rank + 1) * local]
+            idx = self.batch_indices(step, batch_size, seed)[dp_rank * local : (dp_rank + 1) * local]
             yield Batch(step, self.sequences(idx))
             step += 1
 

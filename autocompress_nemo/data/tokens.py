@@ -85,12 +85,12 @@ def tokenize(docs: Sequence[Document], tokenizer: Any, eos_id: int | None = None
     eos = eos_id_of(tokenizer) if eos_id is None else int(eos_id)
     ids: list[list[int]] = []
     for i in range(0, len(docs), _BATCH_DOCS):  # the HF call interface is faster batched
-        ids += encode_documents(tokenizer, [d.text for d in docs[i:i + _BATCH_DOCS]])
+        ids += encode_documents(tokenizer, [d.text for d in docs[i : i + _BATCH_DOCS]])
     lengths = np.array([len(x) + 1 for x in ids], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     tokens = np.empty(int(lengths.sum()), dtype=np.uint32)
     for off, x in zip(offsets, ids, strict=True):
-        tokens[off:off + len(x)] = x
+        tokens[off : off + len(x)] = x
         tokens[off + len(x)] = eos
     return tokens, offsets
 
@@ -132,8 +132,12 @@ def cached_tokenize(
         try:
             tokens = np.load(tok_path, mmap_mode="r")
             offsets = np.load(off_path)
-            if len(offsets) == len(docs) and (len(docs) == 0 or offsets[-1] < len(tokens)) \
-                    and tokens.dtype == np.uint32 and (len(tokens) == 0 or tokens[-1] == eos):
+            if (
+                len(offsets) == len(docs)
+                and (len(docs) == 0 or offsets[-1] < len(tokens))
+                and tokens.dtype == np.uint32
+                and (len(tokens) == 0 or tokens[-1] == eos)
+            ):
                 return np.asarray(tokens), offsets
         except (OSError, ValueError):
             pass  # unreadable / truncated: recompute below

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from autocompress_nemo.evaluate.engine_check import budget_checks, engine_check, measured_figures
 from autocompress_nemo.evaluate.perplexity import nll_sum, perplexity
 
 
@@ -20,10 +21,6 @@ def __getattr__(name: str) -> Any:
         from autocompress_nemo.evaluate import lm_eval_adapter
 
         return getattr(lm_eval_adapter, name)
-    if name in ("engine_check", "measured_figures", "budget_checks"):
-        from autocompress_nemo.evaluate import engine_check as ec
-
-        return getattr(ec, name)
     raise AttributeError(f"module 'autocompress_nemo.evaluate' has no attribute {name!r}")
 
 

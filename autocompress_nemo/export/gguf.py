@@ -235,11 +235,18 @@ def write_gguf(
     return path
 
 
-def _copy_tokenizer(w: Any, src: Path, vocab: int) -> None:
-    """Copy every ``tokenizer.*`` key of ``src`` into writer ``w`` (token count must equal ``vocab``)."""
+_TOKENIZER_CACHE: dict[str, list[tuple[str, Any, Any, Any]]] = {}
+
+
+def _tokenizer_fields(src: Path) -> list[tuple[str, Any, Any, Any]]:
+    """``(key, value, type, sub_type)`` of every ``tokenizer.*`` key of ``src`` (parsed once per file)."""
     import gguf
 
+    key0 = str(src.resolve())
+    if key0 in _TOKENIZER_CACHE:
+        return _TOKENIZER_CACHE[key0]
     r = gguf.GGUFReader(str(src))
+    out: list[tuple[str, Any, Any, Any]] = []
     for key, f in r.fields.items():
         if not key.startswith("tokenizer."):
             continue
@@ -247,16 +254,27 @@ def _copy_tokenizer(w: Any, src: Path, vocab: int) -> None:
         if vtype == gguf.GGUFValueType.ARRAY:
             sub = f.types[-1]
             vals = [bytes(f.parts[i]) if sub == gguf.GGUFValueType.STRING else f.parts[i].tolist()[0] for i in f.data]
-            if key == "tokenizer.ggml.tokens" and len(vals) != vocab:
-                raise ValueError(
-                    f"write_gguf: tokenizer of {src.name} has {len(vals)} tokens but the spec's vocab is {vocab}; "
-                    f"give a spec with vocab={len(vals)} or another tokenizer_from"
-                )
-            w.add_key_value(key, vals, vtype, sub_type=sub)
+            out.append((key, vals, vtype, sub))
         elif vtype == gguf.GGUFValueType.STRING:
-            w.add_key_value(key, bytes(f.parts[f.data[0]]).decode("utf-8"), vtype)
+            out.append((key, bytes(f.parts[f.data[0]]).decode("utf-8"), vtype, None))
         else:
-            w.add_key_value(key, f.parts[f.data[0]].tolist()[0], vtype)
+            out.append((key, f.parts[f.data[0]].tolist()[0], vtype, None))
+    _TOKENIZER_CACHE[key0] = out
+    return out
+
+
+def _copy_tokenizer(w: Any, src: Path, vocab: int) -> None:
+    """Copy every ``tokenizer.*`` key of ``src`` into writer ``w`` (token count must equal ``vocab``)."""
+    for key, val, vtype, sub in _tokenizer_fields(src):
+        if key == "tokenizer.ggml.tokens" and len(val) != vocab:
+            raise ValueError(
+                f"write_gguf: tokenizer of {src.name} has {len(val)} tokens but the spec's vocab is {vocab}; "
+                f"give a spec with vocab={len(val)} or another tokenizer_from"
+            )
+        if sub is not None:
+            w.add_key_value(key, val, vtype, sub_type=sub)
+        else:
+            w.add_key_value(key, val, vtype)
 
 
 def spec_from_gguf(path: str | Path) -> ArchSpec:

@@ -103,7 +103,7 @@ def run_validate(cfg: Any, table_path: str | Path, out_dir: str | Path, *, n_ran
     t0 = time.time()
     with artifact(out, stage="validate", config_hash=hash_obj([str(table_path), n_rand, len(specs)])) as tmp:
         engine = get_engine(cfg.target, workdir=tmp / "work")
-        total = len(specs) * int(engine.setting("rounds", 4))
+        total = len(specs) * int(engine.setting("rounds", 2))
         done = [0]
 
         def progress(msg: str) -> None:

@@ -11,7 +11,6 @@ best. Every token it spends choosing is counted.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,7 +49,10 @@ def run_minitron_pp(
     forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
     cfg: Any,
     log: Callable[[str], None] = print,
+    fresh_model: Callable[[], torch.nn.Module] | None = None,
 ) -> SearchOutcome:
+    """``fresh_model()`` builds another copy of the sorted parent (needed when candidates are
+    retrained: Megatron models hold process groups and cannot be deep-copied)."""
     t0 = time.time()
     feas = feasible_uniform(parent, decisions, costs, budgets)
     if not feas:
@@ -66,7 +68,9 @@ def run_minitron_pp(
     trajectory = []
     best: tuple[float, list[int]] | None = None
     for ci, (spent, ch, c) in enumerate(top):
-        cand_model = copy.deepcopy(model) if retrain else model
+        if retrain and fresh_model is None:
+            raise ValueError("minitron_retrain_steps > 0 needs fresh_model() to copy the sorted parent")
+        cand_model = fresh_model() if retrain and fresh_model is not None else model
         sn = Supernet(cand_model, parent, decisions)
 
         def teacher(x: torch.Tensor, sn: Supernet = sn, m: torch.nn.Module = cand_model) -> torch.Tensor:

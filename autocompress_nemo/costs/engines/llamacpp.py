@@ -5,7 +5,7 @@ heterogeneous), loaded with ``llama_model_load_from_file`` and served by one con
 ``n_ctx = context_len``, ``n_seq_max = batch``, flash attention on (with it off the V cache
 is padded to the widest layer), a fixed thread count.
 
-Timing (each timed call is ``llama_decode`` + ``llama_synchronize``, wall clock):
+Timing (each timed call is ``llama_decode`` + ``llama_synchronize``, on the clock below):
 
 - prefill: clear the cache, decode ``batch`` prompts of ``input_len`` random tokens in
   one batch (logits for the last token of each); one warm-up, then ``repeats`` timed runs.
@@ -15,10 +15,18 @@ Timing (each timed call is ``llama_decode`` + ``llama_synchronize``, wall clock)
   ``decode_steps`` timed ones.
 
 Several models are measured in interleaved rounds (``measure_many``, ``engine.settings.rounds``,
-default 4): every round loads each model in turn and takes ``ceil(repeats / rounds)``
-prefills and ``ceil(decode_steps / rounds)`` decode steps. The statistic is a low percentile (``engine.percentile``, default 10th): on a shared
-machine interference only adds time, so medians drift and low percentiles do not. Raw
-samples and their spread are kept.
+default 2): every round loads each model in turn and takes ``ceil(repeats / rounds)``
+prefills and ``ceil(decode_steps / rounds)`` decode steps.
+
+Clock: with one thread llama.cpp computes on the calling thread, so the thread's CPU time
+(``time.thread_time``) is the latency the model would have on an unloaded core, while wall
+time also counts the time other processes held the core. On this shared 2-core machine, at
+load 12, one 256-token prefill read 1000-1120 ms wall but 333-339 ms thread CPU. The default
+clock ``auto`` uses thread CPU time at 1 thread and wall time otherwise; both are recorded
+(``*_wall_ms`` raw samples) and the provenance names the clock.
+
+The statistic is a low percentile (``engine.percentile``, default 10th): interference only
+adds time, so medians drift and low percentiles do not. Raw samples and their spread are kept.
 
 Memory is what llama.cpp logs while loading and creating the context (captured through
 ``llama_log_set``): ``model buffer size`` (weights, summed over buffers), ``KV buffer size``
@@ -89,9 +97,16 @@ class LlamaCppEngine(Engine):
 
     def __init__(self, cfg: Any, hardware: Any = None, workdir: str | Path | None = None) -> None:
         super().__init__(cfg, hardware)
-        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="acn-llamacpp-"))
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._workdir = Path(workdir) if workdir else None
         self.runs = 0
+
+    @property
+    def workdir(self) -> Path:
+        """Where GGUF files are written while measuring (a temporary directory unless given)."""
+        if self._workdir is None:
+            self._workdir = Path(tempfile.mkdtemp(prefix="acn-llamacpp-"))
+        self._workdir.mkdir(parents=True, exist_ok=True)
+        return self._workdir
 
     # -- provenance -----------------------------------------------------------
     def version(self) -> str:
@@ -105,9 +120,19 @@ class LlamaCppEngine(Engine):
             t = int(getattr(self.hardware, "threads", 0) or 0)
         return t or (os.cpu_count() or 1)
 
+    def clock(self) -> str:
+        """``thread_cpu`` (the compute thread's CPU time) or ``wall``; ``auto``: thread_cpu at 1 thread."""
+        c = str(self.setting("clock", "auto"))
+        if c == "auto":
+            return "thread_cpu" if self.threads() == 1 else "wall"
+        if c not in ("wall", "thread_cpu"):
+            raise ValueError(f"engine.settings.clock={c!r}: use auto, wall or thread_cpu")
+        return c
+
     def provenance(self) -> dict[str, Any]:
         p = super().provenance()
         p["threads"] = self.threads()
+        p["clock"] = self.clock()
         return p
 
     def check_servable(self, spec: ArchSpec, parent: ArchSpec | None = None) -> list[str]:
@@ -136,7 +161,7 @@ class LlamaCppEngine(Engine):
         """
         from autocompress_nemo.export.gguf import write_gguf
 
-        rounds = int(rounds or self.setting("rounds", 4))
+        rounds = int(rounds or self.setting("rounds", 2))
         weights = weights or [None] * len(specs)
         given = gguf_paths or [None] * len(specs)
         paths: list[Path] = []
@@ -149,7 +174,7 @@ class LlamaCppEngine(Engine):
             p = self.workdir / f"m{i}_{spec.name or 'model'}.gguf"
             write_gguf(spec, p, weights[i], dtype=str(self.cfg.dtype), context_length=workload.context_len)
             paths.append(p)
-        raws: list[dict[str, list[float]]] = [{"prefill_ms": [], "decode_ms": []} for _ in specs]
+        raws: list[dict[str, list[float]]] = [{} for _ in specs]
         mems: list[dict[str, float]] = [{} for _ in specs]
         walls = [0.0] * len(specs)
         per_round_p = max(1, -(-int(getattr(self.cfg, "repeats", 5)) // rounds))
@@ -167,7 +192,7 @@ class LlamaCppEngine(Engine):
                     walls[i] += time.time() - t
                     mems[i] = mems[i] or mem
                     for k, v in raw.items():
-                        raws[i][k] += v
+                        raws[i].setdefault(k, []).extend(v)
                     self.runs += 1
         finally:
             for i, p in enumerate(paths):
@@ -227,7 +252,10 @@ class LlamaCppEngine(Engine):
         n_batch = max(int(self.setting("n_batch", 2048)), wl.input_len * wl.batch)
         batch = L.llama_batch_init(n_batch, 0, wl.batch)
 
-        def run(tokens: list[tuple[int, int, int, bool]]) -> float:
+        wall: dict[str, list[float]] = {"prefill_ms": [], "decode_ms": []}
+        cpu_clock = self.clock() == "thread_cpu"
+
+        def run(tokens: list[tuple[int, int, int, bool]], key: str | None = None) -> float:
             batch.n_tokens = len(tokens)
             for j, (tok, pos, seq, logit) in enumerate(tokens):
                 batch.token[j] = tok
@@ -235,13 +263,17 @@ class LlamaCppEngine(Engine):
                 batch.n_seq_id[j] = 1
                 batch.seq_id[j][0] = seq
                 batch.logits[j] = logit
+            c = time.thread_time()
             t = time.perf_counter()
             rc = L.llama_decode(ctx, batch)
             L.llama_synchronize(ctx)
             dt = (time.perf_counter() - t) * 1e3
+            dc = (time.thread_time() - c) * 1e3
             if rc != 0:
                 raise RuntimeError(f"llama_decode returned {rc}:\n{''.join(_LOG)[-1500:]}")
-            return dt
+            if key:
+                wall[key].append(dt)
+            return dc if cpu_clock else dt
 
         def prompt(n: int, start: int = 0, seqs: int = 1) -> list[tuple[int, int, int, bool]]:
             toks = rng.integers(0, vocab, size=n)
@@ -251,7 +283,7 @@ class LlamaCppEngine(Engine):
             prefill: list[float] = []
             for r in range(repeats + 1):
                 L.llama_memory_clear(mem, True)
-                dt = run(prompt(wl.input_len, 0, wl.batch))
+                dt = run(prompt(wl.input_len, 0, wl.batch), "prefill_ms" if r else None)
                 if r:
                     prefill.append(dt)
             # fill to the decode context C, then time steps at position C
@@ -265,14 +297,15 @@ class LlamaCppEngine(Engine):
             decode: list[float] = []
             for step in range(steps + warm):
                 toks = rng.integers(0, vocab, size=wl.batch)
-                dt = run([(int(toks[s]), c, s, True) for s in range(wl.batch)])
+                dt = run([(int(toks[s]), c, s, True) for s in range(wl.batch)], "decode_ms" if step >= warm else None)
                 for s in range(wl.batch):
                     L.llama_memory_seq_rm(mem, s, c, -1)
                 if step >= warm:
                     decode.append(dt)
         finally:
             L.llama_batch_free(batch)
-        return {"prefill_ms": prefill, "decode_ms": decode}
+        return {"prefill_ms": prefill, "decode_ms": decode, "prefill_wall_ms": wall["prefill_ms"],
+                "decode_wall_ms": wall["decode_ms"]}
 
 
 def _ggml_type(name: str) -> int:
