@@ -123,10 +123,135 @@ def _patch_causal_mask() -> None:
         mod.get_sliding_window_causal_mask = _cpu_sliding_window_mask  # type: ignore[attr-defined]
 
 
+# -- 4. Mamba-2 through mamba-ssm's pure-PyTorch reference ops (hybrid models) ------------------
+# Megatron assumes: mamba-ssm with its compiled parts. ``import mamba_ssm`` imports the
+# Mamba-1 CUDA extension ``selective_scan_cuda`` (not built with MAMBA_SKIP_CUDA_BUILD, so the
+# import fails and Megatron's ``MambaMixer`` refuses to build), and the Mamba-2 mixer calls
+# Triton kernels (``mamba_chunk_scan_combined`` for the chunked SSD scan, ``rmsnorm_fn`` for
+# the gated RMSNorm) that need a GPU. Safe because: the stand-in extension is only imported,
+# never called (Megatron's Mamba-2 path does not use the Mamba-1 selective scan; any call
+# raises); the scan and the norm are replaced by mamba-ssm's own reference implementations
+# (``ssd_chunk_scan_combined_ref``, ``rms_norm_ref``), which compute the same functions in
+# plain PyTorch (differentiable). The reference scan needs the sequence to be a multiple of
+# the chunk size: it is zero-padded at the end, which cannot change earlier outputs of a
+# causal scan. Only the full-sequence path is adapted (no initial / final states: no
+# incremental decoding on CPU). Needs ``use_mamba_mem_eff_path=False`` (the fused
+# conv+scan+norm kernel has no reference); the hybrid builder sets it on CPU.
+class _MissingCudaExtension:
+    """Stand-in for a CUDA extension module that is imported but must never be used."""
+
+    def __init__(self, name: str) -> None:
+        self.__name__ = name
+
+    def __getattr__(self, attr: str) -> object:
+        raise RuntimeError(
+            f"{self.__name__}.{attr}: this CUDA extension is not available on a CPU-only machine "
+            "(compat_cpu stand-in); only Mamba-2 with the reference PyTorch ops runs here"
+        )
+
+
+def _ssd_scan_reference(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,  # noqa: ANN001, ANN201
+                        initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
+                        dt_limit=(0.0, float("inf")), return_final_states=False,
+                        return_varlen_states=False, **_ignored):
+    """``mamba_chunk_scan_combined`` computed by mamba-ssm's reference ``ssd_chunk_scan_combined_ref``."""
+    from mamba_ssm.ops.triton.ssd_combined import ssd_chunk_scan_combined_ref
+
+    if initial_states is not None or seq_idx is not None or cu_seqlens is not None:
+        raise NotImplementedError("CPU Mamba scan: initial states / packed sequences are not supported")
+    if return_final_states or return_varlen_states:
+        raise NotImplementedError("CPU Mamba scan: returning final states (incremental decoding) is not supported")
+    if tuple(dt_limit) != (0.0, float("inf")):
+        raise NotImplementedError(f"CPU Mamba scan: dt_limit={dt_limit} is not supported")
+    L = x.shape[1]
+    pad = (-L) % chunk_size
+    if pad:
+        def _p(t):  # noqa: ANN001, ANN202 - pad the sequence dim (dim 1) at the end
+            return None if t is None else torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+
+        x, dt, B, C, z = _p(x), _p(dt), _p(B), _p(C), _p(z)
+    out = ssd_chunk_scan_combined_ref(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
+    return out[:, :L]
+
+
+def _gated_rmsnorm_reference(x, weight, bias, z=None, eps=1e-6, group_size=None,  # noqa: ANN001, ANN201
+                             norm_before_gate=True):
+    from mamba_ssm.ops.triton.layernorm_gated import rms_norm_ref
+
+    return rms_norm_ref(x, weight, bias, z=z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
+
+
+def _patch_mamba_reference_ops() -> None:
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("mamba_ssm") is None:
+        return  # not installed: the hybrid builder says how to install it when a Mamba block is built
+    try:
+        import selective_scan_cuda  # noqa: F401
+    except ImportError:
+        sys.modules["selective_scan_cuda"] = _MissingCudaExtension("selective_scan_cuda")  # type: ignore[assignment]
+    from mamba_ssm.ops.triton import layernorm_gated
+    from megatron.core.ssm import mamba_mixer
+
+    if not mamba_mixer.HAVE_MAMBA_SSM:
+        raise RuntimeError(
+            "megatron.core.ssm.mamba_mixer was imported before compat_cpu.apply() could install the "
+            "mamba-ssm stand-ins; call autocompress_nemo.models.compat_cpu.apply() before importing it"
+        )
+    mamba_mixer.mamba_chunk_scan_combined = _ssd_scan_reference
+    layernorm_gated.rmsnorm_fn = _gated_rmsnorm_reference
+
+
+# -- 5. LatentMoE projections without Transformer Engine ------------------------------------------
+# Megatron assumes: the LatentMoE down/up projections (``MoELayer.fc1_latent_proj`` /
+# ``fc2_latent_proj``, hidden <-> ``moe_latent_size``) are TE ``TELinear`` layers in
+# "duplicated" mode (the same full weight on every tensor-parallel rank); without TE the
+# layer asserts. Safe because: a duplicated ``TELinear`` is a plain replicated linear
+# ``y = x W^T (+ b)`` returning ``(y, bias-or-None)``; ``DuplicatedLinear`` is exactly that,
+# with the same parameter names (``weight``, ``bias``). Under sequence parallelism each TP
+# rank sees a slice of the tokens, so (as Megatron does for replicated weights) the
+# parameters are marked ``sequence_parallel`` for the gradient all-reduce in
+# ``finalize_model_grads``. Installed only when Transformer Engine is absent.
+class DuplicatedLinear(torch.nn.Module):
+    """A replicated linear layer with TE ``TELinear``'s call signature (``parallel_mode='duplicated'``)."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method, bias: bool,  # noqa: ANN001
+                 skip_bias_add: bool, parallel_mode: str = "duplicated", skip_weight_param_allocation: bool = False,
+                 is_expert: bool = False, **_: object) -> None:
+        super().__init__()
+        if parallel_mode != "duplicated" or skip_weight_param_allocation:
+            raise NotImplementedError(f"DuplicatedLinear: parallel_mode={parallel_mode!r} is not supported")
+        self.skip_bias_add = skip_bias_add
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        if config.perform_initialization:
+            init_method(self.weight)
+        self.bias = torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype)) if bias else None
+        for p_ in (self.weight, self.bias):
+            if p_ is not None:
+                p_.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.skip_bias_add:
+            return torch.nn.functional.linear(x, self.weight), self.bias
+        return torch.nn.functional.linear(x, self.weight, self.bias), None
+
+
+def _patch_latent_moe_linear() -> None:
+    from megatron.core.transformer.moe import moe_layer
+
+    if moe_layer.HAVE_TE:
+        return
+    moe_layer.HAVE_TE = True  # only read by the latent-projection assert at construction time
+    moe_layer.TELinear = DuplicatedLinear  # type: ignore[attr-defined]
+
+
 PATCHES: list[Patch] = [
     Patch("current_device", "torch.cuda.current_device() used as the allocation device", _patch_current_device),
     Patch("rng_tracker", "tensor-parallel RNG tracker keeps CUDA generator states", _patch_rng_tracker),
     Patch("causal_mask", "default causal mask built with device='cuda'", _patch_causal_mask),
+    Patch("mamba_reference_ops", "mamba-ssm CUDA/Triton kernels -> its PyTorch reference ops", _patch_mamba_reference_ops),
+    Patch("latent_moe_linear", "LatentMoE projections are TE TELinear layers", _patch_latent_moe_linear),
 ]
 
 

@@ -1,0 +1,197 @@
+"""PNG plots of the report (matplotlib, Agg backend), each written atomically.
+
+- ``widths.png``: per-layer widths (attention query heads, ffn width; other block kinds by
+  block index) of every student against the parent.
+- ``costs.png``: predicted and measured costs per metric and model, with the absolute budget.
+- ``search_trajectory.png``: KD loss, expected cost / budget per metric and router entropy
+  (with the Gumbel temperature) per search step.
+- ``accuracy_vs_cost.png``: held-out perplexity against the first budget's metric (measured
+  when available, else predicted — the axis label says which).
+
+A plot whose data is missing is skipped; ``write_plots`` returns the reason.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.report.tables import COST_METRICS, UNITS, spec_of
+
+COLORS = {"parent": "0.55", "autocompress": "tab:blue", "minitron_pp": "tab:orange"}
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: Path) -> Path:
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
+    fig.savefig(tmp, dpi=110)
+    _plt().close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def _scale(metric: str, v: float) -> float:
+    return v / 2**20 if metric == "memory_bytes" else v
+
+
+def _width(b: Any) -> int:
+    if isinstance(b, AttentionBlock | MambaBlock):
+        return b.num_heads
+    if isinstance(b, MlpBlock):
+        return b.ffn
+    if isinstance(b, MoeBlock):
+        return b.num_experts * b.expert_ffn + b.shared_ffn
+    return 0
+
+
+def plot_widths(res: dict[str, Any], path: Path) -> Path | str:
+    specs: dict[str, ArchSpec] = {k: s for k, e in res["models"].items() if (s := spec_of(e)) is not None}
+    if not specs:
+        return "no architectures in results['models']"
+    plt = _plt()
+    kinds = sorted({b.kind for s in specs.values() for b in s.blocks})
+    fig, axes = plt.subplots(len(kinds), 1, figsize=(9, 2.6 * len(kinds)), squeeze=False)
+    for ax, kind in zip(axes[:, 0], kinds, strict=True):
+        for key, spec in specs.items():
+            ys = [_width(b) for b in spec.blocks if b.kind == kind]
+            xs = list(range(len(ys)))
+            style = {"color": COLORS.get(key, None), "label": res["models"][key]["label"]}
+            if key == "parent":
+                ax.bar(xs, ys, color=style["color"], alpha=0.35, label=style["label"])
+            else:
+                ax.plot(xs, ys, marker="o", ms=4, lw=1.5, **style)
+        unit = {"attention": "query heads", "mlp": "ffn width", "moe": "experts x ffn", "mamba": "heads"}[kind]
+        ax.set_ylabel(unit)
+        ax.set_xlabel(f"{kind} block (layer)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle("Per-block widths: students against the parent (0 = removed)", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_costs(res: dict[str, Any], path: Path) -> Path | str:
+    models = res["models"]
+    metrics = [m for m in COST_METRICS
+               if any((e.get(k) or {}).get(m) is not None for e in models.values() for k in ("predicted", "measured"))]
+    if not metrics:
+        return "no predicted or measured costs"
+    budgets = {b.get("metric"): b.get("absolute") for b in (res["target"].get("budgets") or [])}
+    budgets.update({"prefill_ms": budgets.get("ttft_ms", budgets.get("prefill_ms")),
+                    "decode_ms": budgets.get("tpot_ms", budgets.get("decode_ms"))})
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.4 * len(metrics), 3.8), squeeze=False)
+    keys = list(models)
+    for ax, m in zip(axes[0], metrics, strict=True):
+        for j, key in enumerate(keys):
+            e = models[key]
+            for dx, kind, hatch in ((-0.2, "predicted", "//"), (0.2, "measured", "")):
+                v = (e.get(kind) or {}).get(m)
+                if v is not None:
+                    ax.bar(j + dx, _scale(m, v), width=0.38, color=COLORS.get(key, "tab:green"), hatch=hatch,
+                           alpha=0.6 if kind == "predicted" else 0.95, edgecolor="k", lw=0.4)
+        if budgets.get(m) is not None:
+            ax.axhline(_scale(m, budgets[m]), color="red", ls="--", lw=1, label="budget")
+            ax.legend(fontsize=7)
+        ax.set_xticks(range(len(keys)), [models[k]["label"] for k in keys], fontsize=7, rotation=20)
+        ax.set_title(f"{m} ({UNITS[m]})", fontsize=9)
+    sources = sorted({str((e.get(k) or {}).get("source")) for e in models.values() for k in ("predicted", "measured")
+                      if e.get(k)})
+    fig.suptitle("hatched = predicted, solid = measured\n" + "; ".join(sources), fontsize=7)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_trajectory(res: dict[str, Any], path: Path) -> Path | str:
+    traj = res.get("search_trajectory") or []
+    if not traj:
+        return "no search trajectory (search not run, or the parent already met the budget)"
+    plt = _plt()
+    steps = [r["step"] for r in traj]
+    metrics = sorted({k[len("expected_"):] for r in traj for k in r if k.startswith("expected_")})
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot(steps, [r.get("kd") for r in traj], lw=1.2, label="KD loss")
+    if any(r.get("penalty") for r in traj):
+        axes[0].plot(steps, [r.get("penalty") for r in traj], lw=1, alpha=0.7, label="budget penalty")
+    axes[0].set_xlabel("search step")
+    axes[0].set_title("loss", fontsize=9)
+    axes[0].legend(fontsize=8)
+    for m in metrics:
+        ratio = [r[f"expected_{m}"] / r[f"budget_{m}"] if r.get(f"budget_{m}") else None for r in traj]
+        axes[1].plot(steps, ratio, lw=1.2, label=m)
+    axes[1].axhline(1.0, color="red", ls="--", lw=1, label="budget")
+    axes[1].set_xlabel("search step")
+    axes[1].set_title("expected cost / budget", fontsize=9)
+    axes[1].legend(fontsize=8)
+    axes[2].plot(steps, [r.get("entropy") for r in traj], lw=1.2, color="tab:purple", label="router entropy")
+    axes[2].set_xlabel("search step")
+    axes[2].set_title("entropy and temperature", fontsize=9)
+    if any("tau" in r for r in traj):
+        tw = axes[2].twinx()
+        tw.plot(steps, [r.get("tau") for r in traj], lw=1, color="tab:gray", ls=":", label="tau")
+        tw.set_ylabel("Gumbel temperature tau", fontsize=8)
+    axes[2].legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_accuracy_vs_cost(res: dict[str, Any], path: Path) -> Path | str:
+    models = res["models"]
+    budgets = res["target"].get("budgets") or []
+    metric = budgets[0].get("metric") if budgets else "params"
+    metric = {"ttft_ms": "prefill_ms", "tpot_ms": "decode_ms"}.get(metric, metric)
+    pts = []
+    for key, e in models.items():
+        ppl = e["accuracy"].get("perplexity")
+        if ppl is None:
+            continue
+        meas, pred = (e.get("measured") or {}).get(metric), (e.get("predicted") or {}).get(metric)
+        if metric == "params":
+            cost, how = e.get("params"), "counted"
+        else:
+            cost, how = (meas, "measured") if meas is not None else (pred, "predicted")
+        if cost is not None:
+            pts.append((key, e["label"], _scale(metric, float(cost)), float(ppl), how))
+    if not pts:
+        return f"no model has both a perplexity and a {metric} figure"
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for key, label, x, y, how in pts:
+        ax.scatter([x], [y], s=50, color=COLORS.get(key, "tab:green"), marker="o" if how != "predicted" else "s")
+        ax.annotate(f"{label} ({how})", (x, y), fontsize=8, xytext=(4, 4), textcoords="offset points")
+    b = next((b.get("absolute") for b in budgets if b.get("absolute") is not None), None)
+    if b is not None and metric != "params":
+        ax.axvline(_scale(metric, b), color="red", ls="--", lw=1, label="budget")
+        ax.legend(fontsize=8)
+    ax.set_xlabel(f"{metric} ({UNITS.get(metric, '')})")
+    ax.set_ylabel("held-out perplexity (lower is better)")
+    ax.set_title("accuracy against cost", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+PLOTS = {"widths": plot_widths, "costs": plot_costs, "search_trajectory": plot_trajectory,
+         "accuracy_vs_cost": plot_accuracy_vs_cost}
+
+
+def write_plots(run_dir: Path, res: dict[str, Any]) -> tuple[dict[str, Path], dict[str, str]]:
+    """Draw every plot that has data; returns (written paths by name, reasons for the skipped)."""
+    written: dict[str, Path] = {}
+    skipped: dict[str, str] = {}
+    for name, fn in PLOTS.items():
+        out = fn(res, run_dir / f"{name}.png")
+        if isinstance(out, Path):
+            written[name] = out
+        else:
+            skipped[name] = out
+    return written, skipped

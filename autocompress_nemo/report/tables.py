@@ -1,0 +1,295 @@
+"""``results`` normalization and the Markdown of ``report.md`` (schema: ``report/__init__.py``)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+from autocompress_nemo.arch.counts import param_count
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MambaBlock, MlpBlock, MoeBlock
+
+MODEL_ORDER = ("parent", "autocompress", "minitron_pp")
+DISPLAY = {"parent": "Parent", "autocompress": "AutoCompress", "minitron_pp": "Minitron++"}
+COST_METRICS = ("prefill_ms", "decode_ms", "response_latency_ms", "throughput_tps", "memory_bytes")
+UNITS = {"prefill_ms": "ms", "decode_ms": "ms", "response_latency_ms": "ms", "throughput_tps": "tok/s",
+         "memory_bytes": "MiB", "ttft_ms": "ms", "tpot_ms": "ms", "params": "M"}
+NO_SOURCE = "source not recorded"
+
+
+# ---------------------------------------------------------------------------------------------
+# normalization
+# ---------------------------------------------------------------------------------------------
+def spec_of(entry: dict[str, Any]) -> ArchSpec | None:
+    arch = entry.get("arch")
+    if isinstance(arch, ArchSpec):
+        return arch
+    if isinstance(arch, dict) and "blocks" in arch:
+        return ArchSpec.from_dict(arch)
+    return None
+
+
+def _normalize_model(key: str, entry: dict[str, Any]) -> dict[str, Any]:
+    e = dict(entry)
+    e.setdefault("label", DISPLAY.get(key, key))
+    spec = spec_of(e)
+    if spec is not None:
+        e["arch"] = spec.to_dict()
+        e.setdefault("params", param_count(spec))
+    ec = e.get("engine_check") or {}
+    if e.get("measured") is None and ec.get("measured") is not None:
+        e["measured"] = dict(ec["measured"])
+    if e.get("measured") is not None:
+        e["measured"].setdefault("source", ec.get("source") or NO_SOURCE)
+    if e.get("predicted") is not None:
+        e["predicted"] = dict(e["predicted"])
+        e["predicted"].setdefault("source", NO_SOURCE)
+    elif ec.get("predicted") is not None:
+        e["predicted"] = dict(ec["predicted"])
+    e.setdefault("checks", ec.get("checks"))
+    if "pass" not in e:
+        e["pass"] = ec.get("pass")
+    e.setdefault("accuracy", {})
+    return e
+
+
+def normalize(results: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``results`` with every model entry filled in (params, measured/checks from
+    ``engine_check``, labels) and missing sections present as empty values."""
+    res = copy.deepcopy(results)
+    models = res.get("models") or {}
+    keys = [k for k in MODEL_ORDER if models.get(k)] + [k for k in models if k not in MODEL_ORDER and models[k]]
+    res["models"] = {k: _normalize_model(k, models[k]) for k in keys}
+    for key, default in (("target", {}), ("tokens", {}), ("wall_time_s", {}), ("search_trajectory", []),
+                         ("notes", []), ("run", {}), ("cost_model_validation", None)):
+        if res.get(key) is None:
+            res[key] = default
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# formatting
+# ---------------------------------------------------------------------------------------------
+def fmt(v: Any, metric: str = "") -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int | float):
+        if isinstance(v, float) and not math.isfinite(v):
+            return str(v)
+        if metric == "memory_bytes":
+            return f"{v / 2**20:,.1f}"
+        if metric == "params":
+            return f"{v / 1e6:,.2f}"
+        if isinstance(v, int) or float(v).is_integer() and abs(v) >= 1000:
+            return f"{int(v):,}"
+        return f"{v:.4g}" if abs(v) < 1000 else f"{v:,.1f}"
+    return str(v)
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def block_width(b: Block) -> str:
+    """A block's widths in words: ``8h/4kv``, ffn ``1536``, ``32x512+1024`` experts, ``removed``."""
+    if b.removed:
+        return "removed"
+    if isinstance(b, AttentionBlock):
+        return f"{b.num_heads}h/{b.num_kv_groups}kv"
+    if isinstance(b, MlpBlock):
+        return str(b.ffn)
+    if isinstance(b, MoeBlock):
+        return f"{b.num_experts}x{b.expert_ffn}" + (f"+{b.shared_ffn}" if b.shared_ffn else "")
+    if isinstance(b, MambaBlock):
+        return f"{b.num_heads}h"
+    return "?"
+
+
+# ---------------------------------------------------------------------------------------------
+# sections
+# ---------------------------------------------------------------------------------------------
+def _summary(res: dict[str, Any]) -> list[str]:
+    m = res["models"]
+    out = []
+    for key in ("autocompress", "minitron_pp"):
+        e = m.get(key)
+        if e is None:
+            continue
+        src = (e.get("measured") or {}).get("source")
+        if e.get("pass") is None:
+            out.append(f"- {e['label']}: budget compliance not measured.")
+        else:
+            verdict = "meets every budget" if e["pass"] else "MISSES at least one budget"
+            out.append(f"- {e['label']} {verdict} ({src}).")
+    ac, mpp = m.get("autocompress"), m.get("minitron_pp")
+    p_ac = (ac or {}).get("accuracy", {}).get("perplexity")
+    p_mpp = (mpp or {}).get("accuracy", {}).get("perplexity")
+    tokens = res["tokens"].get("recovery")
+    if p_ac is not None and p_mpp is not None:
+        better = "lower" if p_ac < p_mpp else ("equal" if p_ac == p_mpp else "HIGHER")
+        out.append(f"- Held-out perplexity after {fmt(tokens)} recovery tokens each: AutoCompress {p_ac:.4g} vs "
+                   f"Minitron++ {p_mpp:.4g} — AutoCompress is {better}.")
+    elif mpp is None:
+        out.append("- Minitron++ baseline: not run (run with `baseline=true` to compare).")
+    return out
+
+
+def _target(res: dict[str, Any]) -> list[str]:
+    t = res["target"]
+    if not t:
+        return ["Target not recorded."]
+    hw, eng, wl = t.get("hardware") or {}, t.get("engine") or {}, t.get("workload") or {}
+    lines = [f"**{t.get('name', '?')}** — {t.get('description', '')}".rstrip(" —"),
+             "",
+             f"- hardware: {hw.get('device', hw.get('name', '?'))}",
+             f"- engine: {eng.get('name', '?')} {eng.get('version', '')} ({eng.get('dtype', '?')})".replace("  ", " "),
+             "- workload: " + ", ".join(f"{k} {wl[k]}" for k in ("batch", "input_len", "output_len", "context_len")
+                                        if k in wl),
+             ""]
+    budgets = t.get("budgets") or []
+    if budgets:
+        lines.append(table(["budget metric", "as configured", "absolute", "unit"],
+                           [[b.get("metric"), b.get("value"), fmt(b.get("absolute"), b.get("metric", "")),
+                             UNITS.get(b.get("metric", ""), "")] for b in budgets]))
+    else:
+        lines.append("No budgets recorded.")
+    return lines
+
+
+def _models(res: dict[str, Any]) -> list[str]:
+    m = res["models"]
+    p_par = (m.get("parent") or {}).get("params")
+    rows = []
+    for e in m.values():
+        spec = spec_of(e)
+        kept = "—"
+        if spec is not None:
+            kept = f"{sum(not b.removed for b in spec.blocks)}/{len(spec.blocks)}"
+        ratio = f"{e['params'] / p_par:.3f}" if e.get("params") and p_par else "—"
+        rows.append([e["label"], fmt(e.get("params"), "params"), ratio, kept, fmt(e.get("recovery_tokens"))])
+    return [table(["model", "params (M)", "x parent", "blocks kept", "recovery tokens"], rows)]
+
+
+def _costs(res: dict[str, Any]) -> list[str]:
+    rows = []
+    for e in res["models"].values():
+        for kind in ("predicted", "measured"):
+            d = e.get(kind)
+            if not d:
+                rows.append([e["label"], kind, *(["—"] * len(COST_METRICS)), "not run"])
+                continue
+            rows.append([e["label"], kind, *(fmt(d.get(k), k) for k in COST_METRICS), d.get("source", NO_SOURCE)])
+    header = ["model", "figure", *(f"{k} ({UNITS[k]})" for k in COST_METRICS), "source"]
+    return [table(header, rows)]
+
+
+def _checks(res: dict[str, Any]) -> list[str]:
+    rows = []
+    for e in res["models"].values():
+        src = (e.get("measured") or {}).get("source", NO_SOURCE)
+        for c in e.get("checks") or []:
+            metric = c.get("checked_as") or c.get("metric", "")
+            verdict = "—" if c.get("pass") is None else ("PASS" if c["pass"] else "FAIL")
+            rows.append([e["label"], f"{c.get('metric')} ≤ {c.get('value')}", fmt(c.get("budget"), metric),
+                         fmt(c.get("measured"), metric), fmt(c.get("predicted"), metric), verdict,
+                         c.get("note", ""), src])
+    if not rows:
+        return ["No engine measurement against the budgets was recorded."]
+    return [table(["model", "constraint", "budget", "measured", "predicted", "result", "note", "measured: source"],
+                  rows),
+            "", "Units as in the cost table (ms, MiB, tok/s); a throughput budget is checked as the "
+            "equivalent per-step decode time."]
+
+
+def _accuracy(res: dict[str, Any]) -> list[str]:
+    models = res["models"]
+    tasks: list[tuple[str, str]] = []
+    for e in models.values():
+        for task, metrics in (e["accuracy"].get("lm_eval") or {}).items():
+            for k in metrics:
+                if "stderr" not in k and (task, k) not in tasks:
+                    tasks.append((task, k))
+    header = ["model", "perplexity (held-out)", "tokens", *(f"{t} {k}" for t, k in tasks)]
+    rows = []
+    for e in models.values():
+        a = e["accuracy"]
+        lm = a.get("lm_eval") or {}
+        rows.append([e["label"], fmt(a.get("perplexity")), fmt(a.get("perplexity_tokens")),
+                     *(fmt(lm.get(t, {}).get(k)) for t, k in tasks)])
+    out = [table(header, rows)]
+    heldout = next((e["accuracy"].get("heldout") for e in models.values() if e["accuracy"].get("heldout")), None)
+    if heldout:
+        out += ["", f"Held-out text: {heldout}."]
+    if not tasks:
+        out += ["", "No lm-eval tasks were run."]
+    return out
+
+
+def _widths(res: dict[str, Any]) -> list[str]:
+    specs = {e["label"]: spec_of(e) for e in res["models"].values()}
+    specs = {k: v for k, v in specs.items() if v is not None}
+    if not specs:
+        return ["No architectures recorded."]
+    labels = list(specs)
+    if all(s.is_dense_layered() for s in specs.values()) and len({s.num_layers for s in specs.values()}) == 1:
+        n = next(iter(specs.values())).num_layers
+        header = ["layer", *(f"{lab} attention" for lab in labels), *(f"{lab} ffn" for lab in labels)]
+        rows = []
+        for i in range(n):
+            rows.append([i, *(block_width(specs[lab].layers()[i][0]) for lab in labels),
+                         *(block_width(specs[lab].layers()[i][1]) for lab in labels)])
+        return [table(header, rows)]
+    n = max(len(s.blocks) for s in specs.values())
+    rows = [[i, *(f"{s.blocks[i].kind} {block_width(s.blocks[i])}" if i < len(s.blocks) else "—"
+                  for s in specs.values())] for i in range(n)]
+    return [table(["block", *labels], rows)]
+
+
+def _validation(res: dict[str, Any]) -> list[str]:
+    v = res["cost_model_validation"]
+    if not v or not v.get("errors"):
+        return ["Cost-model validation not run: predicted costs are unvalidated."]
+    rows = [[k, fmt(e.get("mape")), fmt(e.get("max_ape")), fmt(e.get("bias")), fmt(e.get("n"))]
+            for k, e in v["errors"].items()]
+    return [table(["metric", "mean abs error %", "max abs error %", "bias %", "models"], rows), "",
+            f"Source: {v.get('source', NO_SOURCE)}" + (f"; {v['n_models']} models not used to build the table."
+                                                        if v.get("n_models") else ".")]
+
+
+def _tokens_wall(res: dict[str, Any]) -> list[str]:
+    t, w = res["tokens"], res["wall_time_s"]
+    out = [table(["tokens", "count"], [[k.replace("_", " "), fmt(v)] for k, v in t.items()]) if t
+           else "Token counts not recorded.", ""]
+    if w:
+        rows = [[k, f"{v:.1f}"] for k, v in w.items()] + [["total", f"{sum(w.values()):.1f}"]]
+        out.append(table(["stage", "wall time (s)"], rows))
+    else:
+        out.append("Wall times not recorded.")
+    return out
+
+
+def render_markdown(res: dict[str, Any]) -> str:
+    run = res["run"]
+    parts = [f"# AutoCompress report{(' — ' + run['name']) if run.get('name') else ''}", ""]
+    if run.get("command"):
+        parts += [f"Command: `{run['command']}`" + (f" ({run['created']})" if run.get("created") else ""), ""]
+    sections = [("Summary", _summary(res)), ("Target and budgets", _target(res)), ("Models", _models(res)),
+                ("Costs: predicted and measured", _costs(res)), ("Budget compliance", _checks(res)),
+                ("Accuracy", _accuracy(res)), ("Per-block widths", _widths(res)),
+                ("Cost-model validation", _validation(res)), ("Tokens and wall time", _tokens_wall(res))]
+    for title, lines in sections:
+        parts += [f"## {title}", "", *lines, ""]
+    plots = res.get("plots") or {}
+    skipped = res.get("plots_skipped") or {}
+    if plots or skipped:
+        parts += ["## Plots", ""]
+        parts += [f"![{name}]({file})" for name, file in plots.items()]
+        parts += [f"- {name}: not drawn ({why})" for name, why in skipped.items()]
+        parts.append("")
+    if res["notes"]:
+        parts += ["## Notes", "", *(f"- {n}" for n in res["notes"]), ""]
+    return "\n".join(parts)

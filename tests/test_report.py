@@ -1,0 +1,116 @@
+"""The report: report.md / report.json / PNG plots written, provenance labels present, and a
+missing baseline (or missing trajectory) tolerated and said."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autocompress_nemo.arch.counts import param_count
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
+from autocompress_nemo.report import write_report
+
+PARENT = ArchSpec.llama(hidden=64, vocab=128, layers=3, heads=4, kv_groups=2, ffn=96, head_dim=16, name="parent")
+A, M = AttentionBlock, MlpBlock
+AC = PARENT.replace(blocks=(A(4, 2, 16), M(96), A(2, 1, 16), M(32), A(0, 0, 16), M(64)), name="ac")
+MPP = ArchSpec.llama(hidden=64, vocab=128, layers=3, heads=2, kv_groups=2, ffn=64, head_dim=16, name="mpp")
+MEASURED = "measured in llama-cpp-python 0.3.36 on x86-64 CPU, 2 cores"
+ESTIMATED = "estimated, not measured"
+
+
+def _costs(scale: float, source: str) -> dict:
+    return {"prefill_ms": 10 * scale, "decode_ms": 2 * scale, "response_latency_ms": 10 * scale + 64 * 2 * scale,
+            "throughput_tps": 500 / scale, "memory_bytes": 3e6 * scale, "source": source}
+
+
+def _engine_check(scale: float, budget: float) -> dict:
+    meas = _costs(scale, "")
+    meas.pop("source")
+    return {"source": MEASURED, "measured": meas, "pass": meas["decode_ms"] <= budget,
+            "checks": [{"metric": "decode_ms", "value": "0.6x", "checked_as": "decode_ms", "budget": budget,
+                        "measured": meas["decode_ms"], "predicted": 1.9 * scale,
+                        "pass": meas["decode_ms"] <= budget}]}
+
+
+def _results(baseline: bool = True, trajectory: bool = True) -> dict:
+    budget = 0.6 * 2.0
+    models = {
+        "parent": {"arch": PARENT.to_dict(), "predicted": _costs(1.0, ESTIMATED), "measured": _costs(1.0, MEASURED),
+                   "accuracy": {"perplexity": 12.5, "perplexity_tokens": 4096, "heldout": "stdlib held-out files",
+                                "lm_eval": {"tiny_mc": {"acc,none": 0.6, "acc_stderr,none": 0.1}}}},
+        "autocompress": {"arch": AC.to_dict(), "predicted": _costs(0.55, ESTIMATED),
+                         "engine_check": _engine_check(0.58, budget), "recovery_tokens": 200_000,
+                         "accuracy": {"perplexity": 15.0, "lm_eval": {"tiny_mc": {"acc,none": 0.55}}}},
+    }
+    if baseline:
+        models["minitron_pp"] = {"arch": MPP.to_dict(), "predicted": _costs(0.57, ESTIMATED),
+                                 "engine_check": _engine_check(0.62, budget), "recovery_tokens": 200_000,
+                                 "accuracy": {"perplexity": 16.0, "lm_eval": {"tiny_mc": {"acc,none": 0.5}}}}
+    traj = [{"step": s, "tau": 2.0 - s / 25, "kd": 1.0 / (1 + s), "penalty": 0.1 * (s < 20), "entropy": 3.0 - s / 20,
+             "expected_decode_ms": 2.0 - s / 50, "budget_decode_ms": budget} for s in range(40)]
+    return {
+        "run": {"name": "tiny_cpu__tiny", "command": "python -m autocompress_nemo.search target=tiny_cpu"},
+        "target": {"name": "tiny_cpu", "description": "test target", "hardware": {"device": "x86-64 CPU, 2 cores"},
+                   "engine": {"name": "llama_cpp", "version": "llama-cpp-python 0.3.36", "dtype": "f16"},
+                   "workload": {"batch": 1, "input_len": 32, "output_len": 8, "context_len": 128},
+                   "budgets": [{"metric": "decode_ms", "value": "0.6x", "absolute": budget}]},
+        "models": models,
+        "cost_model_validation": {"errors": {"decode_ms": {"mape": 2.1, "max_ape": 3.0, "bias": -0.5, "n": 8}},
+                                  "source": MEASURED, "n_models": 8},
+        "tokens": {"search": 51_200, "minitron_scoring": 8_192, "recovery": 200_000},
+        "wall_time_s": {"profile": 30.0, "search": 120.5, "distill": 300.0},
+        "search_trajectory": traj if trajectory else [],
+    }
+
+
+def test_report_files_plots_and_provenance(tmp_path: Path) -> None:
+    paths = write_report(tmp_path, _results())
+    for name in ("report.md", "report.json", "widths", "costs", "search_trajectory", "accuracy_vs_cost"):
+        assert name in paths, name
+    for name in ("widths", "costs", "search_trajectory", "accuracy_vs_cost"):
+        data = paths[name].read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+    md = (tmp_path / "report.md").read_text()
+    assert MEASURED in md and ESTIMATED in md and "source not recorded" not in md
+    # every measured/predicted cost row carries its source in the last column
+    cost_rows = [ln for ln in md.splitlines() if ln.split("|")[2:3] in ([" measured "], [" predicted "])]
+    assert len(cost_rows) == 6 and all(ln.rstrip(" |").endswith((MEASURED, ESTIMATED)) for ln in cost_rows)
+    check_rows = [ln for ln in md.splitlines() if "| decode_ms ≤ 0.6x |" in ln]
+    assert len(check_rows) == 2 and all(ln.rstrip(" |").endswith(MEASURED) for ln in check_rows)
+    assert "AutoCompress meets every budget" in md and "Minitron++ MISSES at least one budget" in md
+    assert "AutoCompress 15 vs Minitron++ 16 — AutoCompress is lower" in md
+    assert "| 2 | 4h/2kv | removed | 2h/2kv | 96 | 64 | 64 |" in md  # layer 2: attention removed in AutoCompress
+    assert "200,000" in md and "51,200" in md and "mean abs error %" in md
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["models"]["autocompress"]["params"] == param_count(AC)
+    assert rep["models"]["autocompress"]["measured"]["source"] == MEASURED
+    assert rep["models"]["minitron_pp"]["pass"] is False
+    assert set(rep["plots"]) == {"widths", "costs", "search_trajectory", "accuracy_vs_cost"}
+
+
+def test_report_without_baseline_or_trajectory(tmp_path: Path) -> None:
+    res = _results(baseline=False, trajectory=False)
+    res["models"]["autocompress"]["accuracy"]["perplexity"] = 20.0
+    del res["cost_model_validation"]
+    paths = write_report(tmp_path, res)
+    md = paths["report.md"].read_text()
+    assert "Minitron++ baseline: not run" in md
+    assert "search_trajectory: not drawn (no search trajectory" in md
+    assert "Cost-model validation not run" in md
+    assert "search_trajectory" not in paths and paths["widths"].is_file()
+    rep = json.loads(paths["report.json"].read_text())
+    assert "minitron_pp" not in rep["models"] and "search_trajectory" in rep["plots_skipped"]
+
+
+def test_report_says_when_autocompress_is_worse(tmp_path: Path) -> None:
+    res = _results()
+    res["models"]["autocompress"]["accuracy"]["perplexity"] = 17.0
+    md = write_report(tmp_path, res)["report.md"].read_text()
+    assert "AutoCompress 17 vs Minitron++ 16 — AutoCompress is HIGHER" in md
+
+
+def test_report_needs_a_model(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="nothing to report"):
+        write_report(tmp_path, {"models": {}})
