@@ -218,10 +218,8 @@ def distill(ctx: Context, out: Path, rank_dir: Path, extract_dir: Path, ckpt_dir
 def heldout_perplexity(ctx: Context, spec: ArchSpec, sd: dict[str, torch.Tensor]) -> dict[str, float]:
     from autocompress_nemo.distill.kd import kd_loss, lm_loss
 
-    ev = ctx.cfg.get("evaluate", None)
-    seq = int(ev.seq_len) if ev is not None and "seq_len" in ev else 256
-    nb = int(ev.max_batches) if ev is not None and "max_batches" in ev else 8
-    batches = ctx.heldout_batches(2, seq, nb)
+    ev = ctx.cfg.evaluate
+    batches = ctx.heldout_batches(2, int(ev.seq_len), int(ev.heldout_batches))
     model = ctx.model(spec, sd)
     pspec, psd, _ = ctx.parent
     nll, kd = [], []
@@ -233,8 +231,33 @@ def heldout_perplexity(ctx: Context, spec: ArchSpec, sd: dict[str, torch.Tensor]
             if teacher is not None:
                 kd.append(float(kd_loss(logits, ctx.forward(teacher, x))))
     mean = sum(nll) / len(nll)
-    return {"heldout_nll": mean, "heldout_ppl": float(torch.tensor(mean).exp()), "heldout_tokens": sum(x.numel() for x in batches),
-            "kd_to_parent": (sum(kd) / len(kd)) if kd else 0.0}
+    out = {"heldout_nll": mean, "heldout_ppl": float(torch.tensor(mean).exp()),
+           "heldout_tokens": sum(x.numel() for x in batches), "kd_to_parent": (sum(kd) / len(kd)) if kd else 0.0}
+    out["lm_eval"] = lm_eval_scores(ctx, model)
+    return out
+
+
+def lm_eval_scores(ctx: Context, model: torch.nn.Module) -> dict[str, Any]:
+    """The configured lm-eval tasks through the harness adapter (``stdlib_next_line`` is
+    written from held-out modules on first use)."""
+    from autocompress_nemo.evaluate.lm_eval_adapter import run_lm_eval
+    from autocompress_nemo.evaluate.stdlib_task import TASK, write_task
+
+    ev = ctx.cfg.evaluate
+    tasks = [str(t) for t in ev.lm_eval_tasks]
+    if not tasks:
+        return {}
+    include = str(ev.lm_eval_include) or None
+    if TASK in tasks:
+        task_dir = Path(str(ctx.cfg.run_dir)) / "lm_eval_tasks"
+        if not (task_dir / f"{TASK}.yaml").is_file():
+            write_task(task_dir, [d.text for d in ctx.data.heldout_docs], int(ev.lm_eval_items), int(ctx.cfg.seed))
+        include = str(task_dir) if include is None else include
+        if include != str(task_dir):
+            raise ValueError("evaluate.lm_eval_include and the generated stdlib_next_line task need one directory")
+    res = run_lm_eval(model, ctx.forward, ctx.tokenizer, tasks, include_path=include,
+                      limit=int(ev.lm_eval_limit) or None, seed=int(ctx.cfg.seed))
+    return res.get("results", {})
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -114,6 +114,24 @@ def test_default_run_validates_with_real_weights():
     assert resolve.model_file(cfg.model).name == "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.mark.parametrize("search", resolve.available("search"))
+def test_every_method_preset_composes_and_validates(search):
+    for distill in resolve.available("distill"):
+        for data in resolve.available("data"):
+            extra = ["data.paths=[" + str(resolve.CONF_DIR) + "]"] if data == "files" else []
+            cfg = compose([f"search={search}", f"distill={distill}", f"data={data}", "model=tiny_llama", *extra])
+            assert collect_problems(cfg) == [], (search, distill, data)
+
+
+def test_every_cluster_and_experiment_composes():
+    for cluster in resolve.available("cluster"):
+        cfg = compose([f"cluster={cluster}", "model=nemotron_super", "+target=b200_128k", "dry_run=true"])
+        assert cfg.cluster.name == cluster
+    for exp in resolve.available("experiment"):
+        cfg = compose([f"+experiment={exp}", "dry_run=true"])  # no target given: cpu_chat first, then overridden
+        assert collect_problems(cfg) == [], exp
+
+
 def test_target_with_and_without_plus_and_quick_preset():
     a = compose(["+target=b200_128k", "model=nemotron_super"])
     b = compose(["target=b200_128k", "model=nemotron_super"])

@@ -122,3 +122,33 @@ def test_interpolates_unprofiled_widths(table: CostTable) -> None:
     lo, hi = table.block_latency(MlpBlock(192), "decode_ms"), table.block_latency(MlpBlock(384), "decode_ms")
     mid = table.block_latency(MlpBlock(288), "decode_ms")
     assert lo < mid < hi
+
+
+HAS_LLAMA = __import__("importlib.util").util.find_spec("llama_cpp") is not None
+
+
+@pytest.mark.engine
+@pytest.mark.skipif(not HAS_LLAMA, reason="needs llama-cpp-python")
+def test_profile_stage_builds_reuses_refuses_and_validates(tmp_path) -> None:
+    """The stage on the composed tiny target: build, reuse, refuse another target's table, validate."""
+    from autocompress_nemo.config.entry import compose
+    from autocompress_nemo.profile.stage import load_table, run_profile, run_validate
+
+    cfg = compose(["+target=tiny_cpu", "model=tiny_llama"])
+    path = run_profile(cfg, tmp_path)
+    table = CostTable.load(path)
+    assert table.provenance["engine"] == "llama_cpp" and table.provenance["clock"] == "thread_cpu"
+    assert table.provenance["profile_models"] == len(table.runs) and not table.estimated
+    mtime = path.stat().st_mtime
+    assert run_profile(cfg, tmp_path) == path and path.stat().st_mtime == mtime  # reused, not rebuilt
+    other = compose(["+target=tiny_cpu", "model=tiny_llama", "engine@target.engine=llama_cpp_cpu",
+                     "target.engine.threads=2"])
+    with pytest.raises(ProvenanceMismatch, match="threads: table has 1, target needs 2"):
+        load_table(other, path)
+    summary = run_validate(cfg, path, tmp_path, n_random=6)
+    assert summary["models"] >= 12 and summary["label"] == "measured"
+    # tiny totals (~1 MiB): the log's 0.01 MiB resolution and allocator effects allow only a loose bound here;
+    # the 1 % goal is checked on SmolLM2 by bench/bench_profile.py
+    assert summary["errors"]["memory_bytes"]["mape"] < 10.0
+    for f in summary["files"].values():
+        assert (tmp_path / "validation" / f.split("/")[-1]).is_file()

@@ -86,6 +86,8 @@ def test_limit_documents_spreads_over_the_corpus():
     assert len(kept) == 40 and [d.doc_id for d in kept] == sorted(d.doc_id for d in kept)
     assert len({d.doc_id[0] for d in kept}) >= 6  # not just the alphabetical head
     assert kept == limit_documents(corpus, 40)
+    with_named = limit_documents(corpus, 40, keep=["h49.py"])
+    assert len(with_named) == 40 and "h49.py" in {d.doc_id for d in with_named}
 
 
 def test_tokenize_puts_eos_between_documents():
@@ -172,7 +174,7 @@ def test_file_loader_text_jsonl_and_directories(tmp_path):
 
 
 def test_build_corpus_on_the_stdlib(tmp_path):
-    data = {"kind": "stdlib", "holdout_fraction": 0.1, "heldout_files": [], "max_documents": 30}
+    data = {"kind": "stdlib", "holdout_fraction": 0.1, "heldout_files": ["textwrap.py"], "max_documents": 30}
     tok = ByteTokenizer()
     corpus = build_corpus(data, tok, cache_dir=tmp_path)
     s = corpus.summary()
@@ -180,7 +182,7 @@ def test_build_corpus_on_the_stdlib(tmp_path):
     assert corpus.train_tokens[-1] == 0 and len(corpus.train(64)) > 10
     again = build_corpus(data, ByteTokenizer(), cache_dir=tmp_path)
     assert np.array_equal(again.train_tokens, corpus.train_tokens)
-    assert again.summary()["heldout_ids"] == s["heldout_ids"]
+    assert again.summary()["heldout_ids"] == s["heldout_ids"] and "textwrap.py" in s["heldout_ids"]
 
 
 def test_default_stdlib_split_from_the_shipped_config():

@@ -39,7 +39,7 @@ from autocompress_nemo.config.validate import ConfigError, validate
 
 DEFAULT_TARGET = "cpu_chat"
 CONFIG_NAME = "run"
-GROUPS = ("model", "target", "search", "distill", "data", "cluster")
+GROUPS = ("model", "target", "search", "distill", "data", "cluster", "experiment")
 TARGET_PARTS = ("hardware", "engine", "workload", "budget")
 """Groups a target composes; override one with e.g. ``engine@target.engine=roofline``."""
 _TARGET_RE = re.compile(r"^(\+{0,2})target=(.*)$")
@@ -47,20 +47,23 @@ _CHOICE_RE = re.compile(r"^\+{0,2}([a-z_]+)(?:@([A-Za-z_.]+))?=(.*)$")
 
 
 def normalize_overrides(args: Sequence[str]) -> list[str]:
-    """``target=x`` -> ``+target=x``; no target at all -> append ``+target=cpu_chat``.
+    """``target=x`` -> ``+target=x``; no target at all -> ``+target=cpu_chat``.
 
+    The target override is placed first among the overrides (before the first ``key=value``
+    argument), so that configs appended after it — ``+experiment=...`` — may override it.
     Every other argument (overrides and Hydra flags such as ``--cfg job``) passes unchanged.
     """
-    out, has_target = [], False
+    rest, targets = [], []
     for a in args:
         m = _TARGET_RE.match(a)
         if m:
-            has_target = True
-            a = ("++" if m.group(1) == "++" else "+") + "target=" + m.group(2)
-        out.append(a)
-    if not has_target:
-        out.append(f"+target={DEFAULT_TARGET}")
-    return out
+            targets.append(("++" if m.group(1) == "++" else "+") + "target=" + m.group(2))
+        else:
+            rest.append(a)
+    if not targets:
+        targets = [f"+target={DEFAULT_TARGET}"]
+    first = next((i for i, a in enumerate(rest) if "=" in a and not a.startswith("-")), len(rest))
+    return rest[:first] + targets + rest[first:]
 
 
 def check_choices(args: Sequence[str]) -> None:

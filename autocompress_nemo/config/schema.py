@@ -109,8 +109,9 @@ class BudgetConstraint:
     """One of: response_latency_ms, ttft_ms, tpot_ms, prefill_ms, decode_ms,
     throughput_tps, memory_bytes, params."""
     value: Any = MISSING
-    """A number in the metric's unit, or a string ``"0.6x"`` relative to the parent
-    measured the same way."""
+    """A number in the metric's unit, a string ``"0.6x"`` relative to the parent measured the
+    same way, or a number with a unit (``"12GB"``, ``"40ms"``, ``"50tok/s"``, ``"74B"`` params).
+    Parsed by ``config/resolve.py::parse_budget``; use that (or ``budget_limit``), not ``float()``."""
 
 
 @dataclass
@@ -316,6 +317,24 @@ class ClusterConfig:
 
 
 @dataclass
+class EvaluateConfig:
+    seq_len: int = 256
+    """Held-out perplexity: sequence length."""
+    heldout_batches: int = 8
+    """Held-out perplexity: batches of 2 sequences (the same text for every model)."""
+    lm_eval_tasks: list[str] = field(default_factory=lambda: ["stdlib_next_line"])
+    """lm-eval tasks run on the parent and every student. ``stdlib_next_line`` is written by
+    the pipeline from held-out stdlib modules; other names must be tasks lm-eval can load
+    offline (a local ``lm_eval_include`` directory)."""
+    lm_eval_include: str = ""
+    """A directory of extra lm-eval task YAMLs."""
+    lm_eval_items: int = 100
+    """Items of the generated ``stdlib_next_line`` task."""
+    lm_eval_limit: int = 0
+    """Cap on items per task (0 = all)."""
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -323,6 +342,7 @@ class RunConfig:
     distill: DistillConfig = field(default_factory=DistillConfig)
     data: DataConfig = field(default_factory=DataConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     run_dir: str = "runs/${target.name}__${model.name}"
     seed: int = 1234
     baseline: bool = False

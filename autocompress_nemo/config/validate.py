@@ -185,6 +185,12 @@ def _check_target(c: dict, m: dict, t: dict) -> list[str]:
     for key in ("dtype", "kv_dtype"):
         if str(eng.get(key, "")).lower() not in resolve.DTYPE_BYTES:
             p.append(f"target.engine.{key}={eng.get(key)!r} is unknown; known: {', '.join(resolve.DTYPE_BYTES)}")
+    if hw.get("kind") == "cpu" and isinstance(eng.get("threads"), int) and isinstance(hw.get("threads"), int):
+        if hw["threads"] > 0 and eng["threads"] > hw["threads"]:
+            p.append(
+                f"target.engine.threads={eng['threads']} is more than the {hw['threads']} threads of "
+                f"target.hardware {hw.get('name')}; timings would be oversubscribed"
+            )
     tp = eng.get("tensor_parallel", 1)
     _pos(p, "target.engine.tensor_parallel", tp)
     if isinstance(tp, int) and tp > 0 and isinstance(hw.get("device_count"), int) and hw["device_count"] % tp:

@@ -136,6 +136,9 @@ class Predictor:
             "throughput_tps": 1000.0 * self.batch / decode if decode > 0 else float("inf"),
             "memory_bytes": sum(mem_parts.values()),
             "memory": mem_parts,
+            # upper bound: the largest workspace the engine reported for any probe
+            "memory_bytes_max": sum(mem_parts.values()) - mem_parts["compute"]
+            + max(mem_parts["compute"], float((self.table.memory.get("compute_range") or [0, 0])[1])),
             "params": float(sum(block_params(b, spec.hidden) for b in spec.blocks) + embedding_params(spec)),
             "estimated": self.estimated,
             "label": self.table.label,

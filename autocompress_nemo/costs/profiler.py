@@ -196,22 +196,48 @@ def build_table(
     base_spec = profile_spec(parent, plan.full, plan.full, 0, "base")
     memory = {
         "output_bytes": base.memory.get("output", 0.0),
-        "compute_base_bytes": base.memory.get("compute", 0.0),
-        "compute_bytes": [{"block": b.__dict__, "bytes": meas[f"{names[x]}_k{plan.k2}"].memory.get("compute", 0.0)}
-                          for x in plan.layers().values() for b in x if not b.removed],
+        **_compute_probes(engine, parent, plan, workload, log),
         "weights_overhead_bytes": base.memory.get("weights", 0.0) - weight_bytes(base_spec, dtype),
         # KV cells the engine allocates for B x C tokens (llama.cpp pads to a multiple of 256)
-        "kv_tokens": _kv_tokens(base, base_spec, workload, str(getattr(engine.cfg, "kv_dtype", "f16"))),
+        # (read from the run with the largest KV buffer: the log's 0.01 MiB resolution matters least there)
+        "kv_tokens": _kv_tokens(*max(zip(results, specs, strict=True), key=lambda ms: ms[0].memory.get("kv", 0.0)),
+                                workload, str(getattr(engine.cfg, "kv_dtype", "f16"))),
         "norm_dtype": "f32" if engine.name == "llama_cpp" else dtype,
     }
     settings = {k: v for k, v in dict(engine.cfg.settings or {}).items()}
     settings.update({"percentile": float(engine.cfg.percentile), "k1": plan.k1, "k2": plan.k2})
+    seen = [m.memory.get("compute", 0.0) for m in results] + list(memory["compute_range"])
+    memory["compute_range"] = [min(seen), max(seen)]  # over profiling models and probes
     prov = make_provenance(engine.provenance(), workload.__dict__,
                            workload.decode_context(str(engine.setting("decode_context", "mean"))),
                            expected_settings(engine.cfg), parent)
     prov.update({"profile_models": len(jobs), "engine_runs": int(getattr(engine, "runs", len(jobs))), "profile_wall_s": round(time.time() - t_start, 2), "profile": settings})
     return CostTable(provenance=prov, parent=parent, intercept=intercept, layer_overhead=c_empty, blocks=blocks,
                      memory=memory, runs=runs)
+
+
+def _compute_probes(engine: Engine, parent: ArchSpec, plan: Plan, wl: Workload,
+                    log: Callable[[str], None]) -> dict[str, Any]:
+    """Workspace (compute buffer) per option, from memory-only probe models (no timing).
+
+    The engine's workspace is a peak over the graph, set by the widest layer, so it is not
+    additive. Probes are 2-layer uniform models ``[X, X]``: ``(A_min, F)`` for every ffn
+    option and ``(A, F_min)`` for every attention option; ``(A_min, F_min)`` is the floor.
+    A model's workspace is predicted as the largest probe among the options it uses.
+    """
+    a_min, f_min = plan.attention_options[0], plan.ffn_options[0]
+    probes = [(a_min, f_min)] + [(a_min, m) for m in plan.ffn_options] + [(a, f_min) for a in plan.attention_options]
+    specs = [profile_spec(parent, x, x, 0, f"probe{i}") for i, x in enumerate(probes)]
+    log(f"[profile] {len(specs)} memory probes (workspace per option, no timing)")
+    if hasattr(engine, "measure_many") and "timing" in engine.measure_many.__code__.co_varnames:
+        res = engine.measure_many(specs, wl, rounds=1, timing=False)  # type: ignore[call-arg]
+    else:
+        res = engine.measure_many(specs, wl, rounds=1)
+    per = [{"block": (m if i <= len(plan.ffn_options) else a).__dict__, "bytes": r.memory.get("compute", 0.0)}
+           for i, ((a, m), r) in enumerate(zip(probes, res, strict=True)) if i > 0]
+    seen = [r.memory.get("compute", 0.0) for r in res]
+    return {"compute_base_bytes": res[0].memory.get("compute", 0.0), "compute_bytes": per,
+            "compute_range": [min(seen), max(seen)]}
 
 
 def _kv_tokens(m: Measurement, spec: ArchSpec, wl: Workload, kv_dtype: str) -> int:

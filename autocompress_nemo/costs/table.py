@@ -156,20 +156,32 @@ class CostTable:
                        f"profiled {b.kind} options: {[eb for eb, _ in entries]}")
 
     def compute_bytes(self, spec: ArchSpec) -> float:
-        """Workspace (llama.cpp compute buffer) of ``spec``: the largest compute buffer reported by
-        the profile models of the options it uses (the peak follows its widest layer), at least
-        the base model's."""
+        """Workspace (llama.cpp compute buffer) of ``spec``: the midpoint of the probed range when it
+        is within ``compute_band`` of constant; otherwise the largest memory-probe value among
+        the options it uses (the peak follows its widest layer), at least the floor probe's.
+        An unprofiled width takes the probe of the nearest wider profiled option of its kind."""
+        rng = self.memory.get("compute_range")
+        if rng and rng[1] > 0 and (rng[1] - rng[0]) <= float(self.memory.get("compute_band", 0.1)) * rng[1]:
+            return 0.5 * (float(rng[0]) + float(rng[1]))  # constant up to allocator effects: the midpoint
         best = float(self.memory.get("compute_base_bytes", 0.0))
-        per = {json.dumps(e["block"], sort_keys=True): float(e["bytes"]) for e in self.memory.get("compute_bytes", [])}
+        per = [(block_from_dict(e["block"]), float(e["bytes"])) for e in self.memory.get("compute_bytes", [])]
         for b in spec.blocks:
             if b.removed:
                 continue
-            v = per.get(json.dumps(b.__dict__, sort_keys=True))
-            if v is None:  # an unprofiled width: take the nearest wider profiled option of the kind
-                cands = [(json.loads(k), x) for k, x in per.items() if json.loads(k)["kind"] == b.kind]
-                v = max((x for _, x in cands), default=0.0)
-            best = max(best, v)
+            same = [v for pb, v in per if pb == b]
+            if not same:
+                wider = [(_width(pb), v) for pb, v in per if pb.kind == b.kind and _width(pb) >= _width(b)]
+                same = [min(wider)[1]] if wider else [max((v for pb, v in per if pb.kind == b.kind), default=0.0)]
+            best = max(best, same[0])
         return best
+
+
+def _width(b: Block) -> int:
+    if isinstance(b, MlpBlock):
+        return b.ffn
+    if isinstance(b, AttentionBlock):
+        return b.num_heads * 1000 + b.num_kv_groups
+    return 0
 
 
 def make_provenance(engine_prov: dict[str, Any], workload: dict[str, int], decode_context: int,

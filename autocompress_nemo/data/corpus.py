@@ -138,13 +138,18 @@ def split_documents(
     return train, held
 
 
-def limit_documents(docs: Sequence[Document], max_documents: int) -> list[Document]:
+def limit_documents(docs: Sequence[Document], max_documents: int, keep: Iterable[str] = ()) -> list[Document]:
     """At most ``max_documents`` (0 = all), chosen by the stable hash (not alphabetically, which
-    would keep only one corner of the corpus); the result stays sorted by id."""
+    would keep only one corner of the corpus); ids in ``keep`` (the named held-out files) are
+    always kept. The result stays sorted by id."""
     if max_documents <= 0 or max_documents >= len(docs):
         return list(docs)
-    keep = sorted(docs, key=lambda d: (stable_fraction("limit:" + d.doc_id), d.doc_id))[:max_documents]
-    return sorted(keep, key=lambda d: d.doc_id)
+    named = set(keep)
+    kept = [d for d in docs if d.doc_id in named]
+    others = sorted(
+        (d for d in docs if d.doc_id not in named), key=lambda d: (stable_fraction("limit:" + d.doc_id), d.doc_id)
+    )
+    return sorted(kept + others[: max(0, max_documents - len(kept))], key=lambda d: d.doc_id)
 
 
 def load_documents(data: object) -> list[Document]:
@@ -157,4 +162,4 @@ def load_documents(data: object) -> list[Document]:
         docs = file_documents(list(get("paths", []) or []), str(get("jsonl_field", "text")))
     else:
         raise DataError(f"data.kind={kind!r} is unknown; use stdlib or files")
-    return limit_documents(docs, int(get("max_documents", 0) or 0))
+    return limit_documents(docs, int(get("max_documents", 0) or 0), list(get("heldout_files", []) or []))

@@ -36,7 +36,9 @@ class Monitor:
         self.log_every = max(1, int(opt_field(cfg, "log_every", 10)))
         self.t0 = time.perf_counter()
         self.tokens = 0
-        self.bar = self.tb = self.wandb = None
+        self.bar: Any = None
+        self.tb: Any = None
+        self.wandb: Any = None
         if not enabled:
             return
         from tqdm.auto import tqdm

@@ -154,7 +154,8 @@ class TorchAdamW:
         if self.clip > 0 and norm > self.clip:
             coef = self.clip / (norm + 1e-6)
             for p in self.params:
-                p.grad.mul_(coef)
+                if p.grad is not None:
+                    p.grad.mul_(coef)
         self.lr = lr_at(step, lr=self.lr_peak, min_lr=self.min_lr, warmup_steps=self.warmup,
                         total_steps=self.total_steps)
         for g in self.opt.param_groups:
@@ -184,7 +185,7 @@ class MegatronAdam:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        mcfg = model.config
+        mcfg: Any = model.config
         wd = float(opt_field(cfg, "weight_decay", 0.0))
         self.par = par
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,

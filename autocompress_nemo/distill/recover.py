@@ -161,7 +161,7 @@ def distill(
     Writes ``<out_dir>/checkpoints``, ``<out_dir>/tensorboard`` and (rank 0)
     ``<out_dir>/distill_summary.json``. Returns: steps, tokens, tokens_this_run,
     resumed_from_step, first_loss, final_loss, history (per step: step, loss, kd, hidden, lr,
-    grad_norm, tokens), tokens_per_s, wall_s, optimizer, checkpoint, tensorboard.
+    grad_norm, tokens so far, step_s wall seconds), tokens_per_s, wall_s, optimizer, checkpoint, tensorboard.
     The student ends in eval mode with the final weights.
     """
     say = log or _log.info
@@ -207,6 +207,7 @@ def distill(
     every = int(opt_field(cfg, "checkpoint_every", 0))
     try:
         for step in range(start, steps):
+            t_step = time.perf_counter()
             x_BT = batch_at(step)
             rows_BT = _local_rows(x_BT, par, int(cfg.batch_size))
             mb = micro_batch_size or rows_BT.shape[0]
@@ -234,7 +235,8 @@ def distill(
             n_tok = int(x_BT.numel())
             tokens_run += n_tok
             row = {"step": step, "loss": loss_mean, "kd": kd_mean, "hidden": hid_mean, "lr": opt.lr,
-                   "grad_norm": grad_norm, "tokens": (history[-1]["tokens"] if history else 0) + n_tok}
+                   "grad_norm": grad_norm, "tokens": (history[-1]["tokens"] if history else 0) + n_tok,
+                   "step_s": time.perf_counter() - t_step}
             history.append(row)
             mon.update(row, n_tok)
             done = step + 1

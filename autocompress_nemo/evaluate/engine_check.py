@@ -71,7 +71,7 @@ def _constraints(target: Any) -> list[Any]:
 def budget_checks(measured: dict[str, Any], predicted: dict[str, Any] | None, target: Any,
                   parent_measured: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One row per budget constraint: metric, as given, absolute budget, measured, predicted, pass."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     batch = int(measured.get("batch", 1) or 1)
     for c in _constraints(target):
         metric, value = str(c.metric), c.value

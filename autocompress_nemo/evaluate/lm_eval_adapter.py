@@ -48,10 +48,11 @@ class TorchLM(LM):
         self.max_length, self.batch_size, self.max_gen_toks, self.name = max_length, batch_size, max_gen_toks, name
         eos = getattr(tokenizer, "eos_token_id", None)
         bos = getattr(tokenizer, "bos_token_id", None)
-        self.prefix_token_id = bos if bos is not None else eos
-        if self.prefix_token_id is None:
+        prefix = bos if bos is not None else eos
+        if prefix is None:
             raise ValueError("the tokenizer has neither bos_token_id nor eos_token_id: lm-eval needs a prefix "
                              "token for empty contexts and rolling windows")
+        self.prefix_token_id: int = int(prefix)
         self.eos_token_id = eos
         self.pad_token_id = int(getattr(tokenizer, "pad_token_id", None) or self.prefix_token_id)
 
@@ -100,7 +101,7 @@ class TorchLM(LM):
             full = (ctx + cont)[-(self.max_length + 1):]  # left-truncate the context
             seqs.append(full[:-1])  # row j of the log-probs predicts full[j + 1]
         results = []
-        for (ctx, cont), logp_TV in zip(pairs, self._logprobs(seqs), strict=True):
+        for (_ctx, cont), logp_TV in zip(pairs, self._logprobs(seqs), strict=True):
             n = len(cont)
             tail_TV = logp_TV[-n:]
             target = torch.tensor(cont, dtype=torch.long)
@@ -111,7 +112,7 @@ class TorchLM(LM):
 
     # -- the LM interface ---------------------------------------------------------------------
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        pairs = []
+        pairs: list[tuple[list[int], list[int]]] = []
         for req in requests:
             context, continuation = req.args
             if context == "":

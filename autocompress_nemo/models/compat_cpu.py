@@ -246,12 +246,26 @@ def _patch_latent_moe_linear() -> None:
     moe_layer.TELinear = DuplicatedLinear  # type: ignore[attr-defined]
 
 
+# -- 6. torch.compile'd router helper ---------------------------------------------------------------
+# Megatron assumes: ``jit_fuser`` (``torch.compile`` on torch >= 2.2) is cheap on the GPU it
+# targets. ``TopKRouter._apply_expert_bias`` (the expert-bias token counter, used by sigmoid
+# routers such as Nemotron-H's) is decorated with it; on CPU the first call compiles C++ with
+# inductor (~30 s on these machines) for a one-line ``+=``. Safe because: the compiled and the
+# original function compute the same thing; the original (``__wrapped__``) runs eagerly.
+def _patch_router_jit() -> None:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    f = TopKRouter.__dict__["_apply_expert_bias"]
+    TopKRouter._apply_expert_bias = getattr(f, "_torchdynamo_orig_callable", getattr(f, "__wrapped__", f))
+
+
 PATCHES: list[Patch] = [
     Patch("current_device", "torch.cuda.current_device() used as the allocation device", _patch_current_device),
     Patch("rng_tracker", "tensor-parallel RNG tracker keeps CUDA generator states", _patch_rng_tracker),
     Patch("causal_mask", "default causal mask built with device='cuda'", _patch_causal_mask),
     Patch("mamba_reference_ops", "mamba-ssm CUDA/Triton kernels -> its PyTorch reference ops", _patch_mamba_reference_ops),
     Patch("latent_moe_linear", "LatentMoE projections are TE TELinear layers", _patch_latent_moe_linear),
+    Patch("router_jit", "torch.compile'd MoE router helper (30 s C++ compile on CPU)", _patch_router_jit),
 ]
 
 

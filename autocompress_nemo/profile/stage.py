@@ -97,7 +97,8 @@ def run_validate(cfg: Any, table_path: str | Path, out_dir: str | Path, *, n_ran
     parent = parent_spec(cfg)
     wl = Workload.from_config(cfg.target.workload)
     n_rand = int(n_random if n_random is not None else cfg.target.engine.settings.get("validate_random", 9))
-    specs = val.candidates(parent, cfg.target.engine.capabilities, n_rand, int(seed if seed is not None else cfg.seed))
+    specs = val.candidates(parent, cfg.target.engine.capabilities, n_rand, int(seed if seed is not None else cfg.seed),
+                           int(cfg.target.engine.settings.get("ffn_grid", cfg.search.ffn_options)))
     out = Path(out_dir) / "validation"
     rows: list[dict[str, Any]] = []
     t0 = time.time()

@@ -17,7 +17,7 @@ from typing import Any
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
 from autocompress_nemo.costs.engines.base import _cap, capability_problems
-from autocompress_nemo.costs.profiler import attention_grid
+from autocompress_nemo.costs.profiler import attention_grid, ffn_grid
 
 METRICS = ("prefill_ms", "decode_ms", "response_latency_ms", "memory_bytes")
 
@@ -26,16 +26,19 @@ def _layered(parent: ArchSpec, layers: list[tuple[AttentionBlock, MlpBlock]], na
     return parent.replace(blocks=tuple(b for layer in layers for b in layer), name=name)
 
 
-def candidates(parent: ArchSpec, caps: Any, n_random: int = 8, seed: int = 0) -> list[ArchSpec]:
-    """Parent, uniform shrinks, layer-removed and random heterogeneous models the engine serves."""
+def candidates(parent: ArchSpec, caps: Any, n_random: int = 8, seed: int = 0, ffn_points: int = 8) -> list[ArchSpec]:
+    """Parent, uniform shrinks, layer-removed and random heterogeneous models the engine serves.
+
+    ffn widths come from the search's option grid (``ffn_grid``: what the search can return);
+    widths between grid points are interpolated by the table but not validated here.
+    """
     rng = random.Random(seed)
     layers = parent.layers()
     a_p, m_p = layers[0]
-    align = max(1, int(_cap(caps, "ffn_align", 1)))
-    snap = max(align, 16 if align == 1 else align)
+    grid = ffn_grid(m_p.ffn, ffn_points, int(_cap(caps, "ffn_align", 1)), bool(_cap(caps, "vary_ffn")))
 
     def w(frac: float) -> int:
-        return max(snap, int(m_p.ffn * frac) // snap * snap)
+        return min(grid, key=lambda g: abs(g - m_p.ffn * frac))
 
     attn = attention_grid(a_p, caps)
     out = [parent.replace(name="parent")]
@@ -61,7 +64,7 @@ def candidates(parent: ArchSpec, caps: Any, n_random: int = 8, seed: int = 0) ->
             a = rng.choice(attn)
             if _cap(caps, "remove_attention") and rng.random() < 0.2:
                 a = AttentionBlock(0, 0, a_p.head_dim)
-            ffn = rng.randrange(snap, m_p.ffn + 1, snap) if _cap(caps, "vary_ffn") else m_p.ffn
+            ffn = rng.choice(grid)
             if _cap(caps, "remove_mlp") and rng.random() < 0.12:
                 ffn = 0
             if i == 0 and _cap(caps, "first_block_full"):

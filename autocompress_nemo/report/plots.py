@@ -59,6 +59,8 @@ def plot_widths(res: dict[str, Any], path: Path) -> Path | str:
     if not specs:
         return "no architectures in results['models']"
     plt = _plt()
+    from matplotlib.ticker import MaxNLocator
+
     kinds = sorted({b.kind for s in specs.values() for b in s.blocks})
     fig, axes = plt.subplots(len(kinds), 1, figsize=(9, 2.6 * len(kinds)), squeeze=False)
     for ax, kind in zip(axes[:, 0], kinds, strict=True):
@@ -74,6 +76,7 @@ def plot_widths(res: dict[str, Any], path: Path) -> Path | str:
         ax.set_ylabel(unit)
         ax.set_xlabel(f"{kind} block (layer)")
         ax.set_ylim(bottom=0)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=8, loc="lower right")
     fig.suptitle("Per-block widths: students against the parent (0 = removed)", fontsize=10)
     fig.tight_layout()

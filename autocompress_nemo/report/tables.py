@@ -230,8 +230,7 @@ def _accuracy(res: dict[str, Any]) -> list[str]:
 
 
 def _widths(res: dict[str, Any]) -> list[str]:
-    specs = {e["label"]: spec_of(e) for e in res["models"].values()}
-    specs = {k: v for k, v in specs.items() if v is not None}
+    specs: dict[str, ArchSpec] = {e["label"]: s for e in res["models"].values() if (s := spec_of(e)) is not None}
     if not specs:
         return ["No architectures recorded."]
     labels = list(specs)

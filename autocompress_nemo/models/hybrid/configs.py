@@ -64,13 +64,21 @@ def family_options(spec: ArchSpec) -> FamilyOptions:
                      "(nemotron_h, qwen3_moe)")
 
 
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)² (Nemotron-H's ``relu2``), eager: Megatron's copy is ``torch.compile``'d, which on
+    CPU costs tens of seconds of C++ compilation on the first call."""
+    return torch.square(F.relu(x))
+
+
 def activation(name: str) -> tuple[Any, bool]:
     """``(activation_func, gated_linear_unit)`` of an ArchSpec activation name."""
-    from megatron.core.activations import squared_relu
-
     if name == "swiglu":
         return F.silu, True
     if name == "relu2":
+        if torch.cuda.is_available():
+            from megatron.core.activations import squared_relu as compiled_squared_relu
+
+            return compiled_squared_relu, False
         return squared_relu, False
     if name == "gelu":
         return F.gelu, False
@@ -181,6 +189,11 @@ def block_config(base: Any, block: Any) -> Any:
         if not (block.num_experts and block.expert_ffn):  # routed experts removed: the shared expert is a dense MLP
             return dataclasses.replace(base, ffn_hidden_size=block.shared_ffn, activation_func=act,
                                        gated_linear_unit=gated)
+        if block.top_k == 1 and base.moe_router_score_function == "sigmoid":
+            raise ValueError(
+                "MoE block with top_k=1 and a sigmoid router: Hugging Face Nemotron-H normalizes the top-k "
+                "weights (a single expert gets weight 1.0) but Megatron only normalizes for top_k > 1; "
+                "use top_k >= 2")
         if block.latent and base.moe_shared_expert_overlap:
             raise ValueError("LatentMoE blocks need moe_shared_expert_overlap=False")
         return dataclasses.replace(

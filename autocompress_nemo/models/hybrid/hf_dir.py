@@ -1,0 +1,73 @@
+"""Read / write a Hugging Face model directory (config.json + safetensors + arch.json) for any family."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autocompress_nemo.arch.spec import ArchSpec
+
+SHARD_BYTES = 4 * 1024**3
+
+
+def write_hf_dir(out_dir: str | os.PathLike[str], cfg: dict[str, Any], sd: dict[str, torch.Tensor], spec: ArchSpec,
+                 tokenizer: Any = None, dtype: torch.dtype = torch.float32) -> Path:
+    """Write ``config.json``, ``model.safetensors`` (sharded above 4 GiB, with an index),
+    ``arch.json`` (the spec) and the tokenizer into ``out_dir``."""
+    from safetensors.torch import save_file
+
+    cfg = dict(cfg, torch_dtype=str(dtype).removeprefix("torch."))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k in sorted(sd):
+        t = sd[k].to(dtype).contiguous()
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for j, shard in enumerate(shards):
+            name = f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (out / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
+    (out / "arch.json").write_text(spec.to_json())
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+def read_hf_dir(path: str | os.PathLike[str], tokenizer: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor], Any]:
+    """``(config dict, float32 state dict, tokenizer or None)`` of a Hugging Face directory."""
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {d}: not a Hugging Face model directory")
+    cfg = json.loads((d / "config.json").read_text())
+    index = d / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+             else sorted(p.name for p in d.glob("*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {d} (PyTorch .bin checkpoints are not supported)")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update({k: v.float() for k, v in load_file(str(d / f)).items()})
+    tok = None
+    if tokenizer and any((d / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(d))
+    return cfg, sd, tok
