@@ -114,3 +114,41 @@ def test_report_says_when_autocompress_is_worse(tmp_path: Path) -> None:
 def test_report_needs_a_model(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="nothing to report"):
         write_report(tmp_path, {"models": {}})
+
+
+def test_report_reads_the_pipeline_layout(tmp_path: Path) -> None:
+    """``stages.collect_results`` output (its own key names) is mapped onto the report schema."""
+    label = "llama_cpp llama-cpp-python 0.3.36 on x86-64 CPU, 2 cores"
+    meas = {"prefill_ms": 5.0, "decode_ms": 1.1, "response_latency_ms": 75.4, "throughput_tps": 909.0,
+            "memory_bytes": 2e6}
+
+    def model(spec: ArchSpec, ppl: float, ok: bool) -> dict:
+        return {"spec": spec.to_dict(), "params": param_count(spec), "accuracy": {"heldout_ppl": ppl,
+                "heldout_tokens": 2048, "lm_eval": {"stdlib_next_line": {"acc,none": 0.4}}},
+                "predicted": dict(meas), "measured": dict(meas), "measured_memory": {"weights": 1e6, "kv": 1e6},
+                "measured_by": label, "budget_check": {"decode_ms": {"budget": 1.2, "measured": 1.1,
+                                                                      "predicted": 1.0, "pass": ok}}}
+
+    traj = [{"step": s, "tau": 1.0, "kd": 0.5, "penalty": 0.0, "entropy": 1.0, "expected_decode_ms": 1.3,
+             "budget_decode_ms": 1.2} for s in range(5)]
+    results = {
+        "target": {"name": "cpu_chat", "description": "d", "engine": "llama_cpp", "hardware": "cpu_2core",
+                   "workload": {"batch": 1, "input_len": 256, "output_len": 64, "context_len": 1024}},
+        "budgets": {"decode_ms": 1.2}, "budget_reference": "0.6x the parent measured in validation",
+        "models": {"parent": model(PARENT, 10.0, False), "autocompress": model(AC, 12.0, True),
+                   "minitron_pp": model(MPP, 13.0, True)},
+        "methods": {"autocompress": {"trajectory": traj, "selection_tokens": 1000, "recovery_tokens": 5000},
+                    "minitron_pp": {"trajectory": [], "selection_tokens": 800, "recovery_tokens": 5000}},
+        "validation": {"errors": {"decode_ms": {"mape": 1.0, "max_ape": 2.0, "bias": 0.1, "n": 6}},
+                       "label": "measured", "estimated": False, "engine": "llama_cpp", "models": 6},
+        "stages_wall_s": {"profile": 10.0, "distill_autocompress": 50.0, "rank": None},
+    }
+    paths = write_report(tmp_path, results)
+    md = paths["report.md"].read_text()
+    assert f"measured in {label}" in md and f"predicted from the cost table measured in {label}" in md
+    assert "AutoCompress 12 vs Minitron++ 13 — AutoCompress is lower" in md
+    assert "| search | 1,000 |" in md and "| recovery | 5,000 |" in md and "| distill_autocompress | 50.0 |" in md
+    assert "search_trajectory" in paths and "0.6x the parent measured in validation" in md
+    rep = json.loads(paths["report.json"].read_text())
+    assert rep["models"]["autocompress"]["pass"] is True and rep["models"]["parent"]["pass"] is False
+    assert rep["models"]["autocompress"]["accuracy"]["perplexity"] == 12.0

@@ -41,6 +41,10 @@ is shown as "not run" and its plot is skipped with the reason recorded.
       "notes": [str],
     }
 
+The layout the pipeline's ``stages.collect_results`` writes (``methods``, ``budgets``,
+``measured_by``, ``budget_check``, ``stages_wall_s``...) is also accepted: ``report/compat.py``
+maps it onto this schema.
+
 Metrics: ``prefill_ms``, ``decode_ms``, ``response_latency_ms``, ``throughput_tps``,
 ``memory_bytes`` (and the aliases ``ttft_ms``/``tpot_ms``). Provenance: every cost figure is
 printed with its ``source`` — ``"measured in <engine> <version> on <device>"`` or

@@ -8,6 +8,7 @@ from typing import Any
 
 from autocompress_nemo.arch.counts import param_count
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.report.compat import from_pipeline, looks_like_pipeline
 
 MODEL_ORDER = ("parent", "autocompress", "minitron_pp")
 DISPLAY = {"parent": "Parent", "autocompress": "AutoCompress", "minitron_pp": "Minitron++"}
@@ -57,6 +58,8 @@ def normalize(results: dict[str, Any]) -> dict[str, Any]:
     """A copy of ``results`` with every model entry filled in (params, measured/checks from
     ``engine_check``, labels) and missing sections present as empty values."""
     res = copy.deepcopy(results)
+    if looks_like_pipeline(res):
+        res = from_pipeline(res)
     models = res.get("models") or {}
     keys = [k for k in MODEL_ORDER if models.get(k)] + [k for k in models if k not in MODEL_ORDER and models[k]]
     res["models"] = {k: _normalize_model(k, models[k]) for k in keys}

@@ -23,6 +23,10 @@ The Puzzle format has no no-op block: a removed block is dropped (it computes th
 so the function is unchanged), and a MoE block whose routed experts are all removed becomes
 an ``mlp`` block of the shared expert's width. ``export_spec(spec)`` gives that compacted spec
 and the old -> new block index map.
+
+A MoE block without a shared expert is written with ``moe_shared_expert_intermediate_size: 0``;
+transformers' ``NemotronHMoE`` cannot represent it (it falls back to ``intermediate_size`` for
+a width of 0), published checkpoints always have one.
 """
 
 from __future__ import annotations
