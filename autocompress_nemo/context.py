@@ -32,6 +32,13 @@ class ByteTokenizer:
 
 class Context:
     def __init__(self, cfg: DictConfig, say: Any = print):
+        import logging
+        import warnings
+
+        # Megatron's deprecation chatter (GPTModel, tp_group) would bury the stage lines
+        logging.getLogger("megatron").setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"megatron\..*")
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
         self.cfg = cfg
         self.say = say
         self._dist_ready = False

@@ -35,6 +35,7 @@ GGML_BLOCK: dict[str, tuple[int, int]] = {
     "q5_0": (32, 22), "q5_1": (32, 24),
     "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
     "fp8": (1, 1), "int8": (1, 1),
+    "nvfp4": (16, 9),   # 16 FP4 (E2M1) values + one FP8 (E4M3) scale (per-tensor FP32 scale ignored)
 }
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MlpBlock, block_from_dict
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MlpBlock, MoeBlock, block_from_dict
 from autocompress_nemo.utils.artifacts import hash_obj, write_json_atomic
 
 ESTIMATED_LABEL = "estimated, not measured"
@@ -152,6 +152,9 @@ class CostTable:
                 a = np.array([r[:3] for r in rows])
                 coef, *_ = np.linalg.lstsq(a, np.array([r[3] for r in rows]), rcond=None)
                 return float(coef @ np.array([1.0, b.num_heads, b.num_kv_groups]))
+        if isinstance(b, MoeBlock) and b not in moe_parts(b):
+            # an MoE block = routed part + shared part, profiled separately (separate kernels)
+            return sum(self.block_latency(p, phase) for p in moe_parts(b))
         raise KeyError(f"cost table has no entry for {b} and cannot interpolate it; "
                        f"profiled {b.kind} options: {[eb for eb, _ in entries]}")
 
@@ -174,6 +177,16 @@ class CostTable:
                 same = [min(wider)[1]] if wider else [max((v for pb, v in per if pb.kind == b.kind), default=0.0)]
             best = max(best, same[0])
         return best
+
+
+def moe_parts(b: MoeBlock) -> tuple[MoeBlock, MoeBlock]:
+    """The two additive parts of an MoE block, each an ``MoeBlock`` in canonical form:
+    routed (router, routed experts, latent projections; ``shared_ffn = 0``) and shared
+    (``num_experts = expert_ffn = top_k = latent = 0``). Latency of the block = the sum of the
+    parts' latencies (they run as separate kernels); a removed part is removed (costs 0)."""
+    routed = MoeBlock(b.num_experts, b.expert_ffn, b.top_k, 0, b.latent, b.activation) \
+        if b.num_experts and b.expert_ffn else MoeBlock(0, 0, 0, 0, 0, b.activation)
+    return routed, MoeBlock(0, 0, 0, b.shared_ffn, 0, b.activation)
 
 
 def _width(b: Block) -> int:

@@ -62,9 +62,9 @@ dataset_kwargs:
     test: {data.resolve()}
 test_split: test
 output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
+doc_to_text: context
+doc_to_choice: choices
+doc_to_target: label
 target_delimiter: ""
 metric_list:
   - metric: acc

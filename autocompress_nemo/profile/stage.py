@@ -131,7 +131,7 @@ def run_validate(cfg: Any, table_path: str | Path, out_dir: str | Path, *, n_ran
                   f"prefill {meas['prefill_ms']:.1f} ms ({row['err_prefill_ms_pct']:+.2f}%), memory "
                   f"{row['err_memory_bytes_pct']:+.3f}%", file=sys.stderr, flush=True)
         summary = {"target": str(cfg.target.name), "engine": table.provenance["engine"], "label": table.label,
-                   "estimated": table.estimated, "models": len(rows), "engine_runs": engine.runs,
+                   "estimated": table.estimated, "models": len(rows), "engine_runs": getattr(engine, "runs", 0),
                    "errors": val.errors(rows), "wall_s": round(time.time() - t0, 1), "table": str(table_path)}
         _rmtree(tmp / "work")
         val.write_report(rows, summary, tmp)

@@ -81,6 +81,11 @@ def build_space(parent: ArchSpec, caps: Any, ffn_options: int = 8) -> list[Decis
       be left alone), so ffn removal is not offered;
     - ``ffn_align``: ffn widths are multiples of it.
     """
+    if not parent.is_dense_layered() and parent.kinds() & {"moe", "mamba"}:
+        # MoE / Mamba hybrids: search/space_hybrid.py (H7)
+        from autocompress_nemo.search.space_hybrid import build_hybrid_space
+
+        return build_hybrid_space(parent, caps, ffn_options)
     if not parent.is_dense_layered():
         raise ValueError(
             f"the search space for {parent.name or 'this model'} ({parent.pattern}) needs MoE/Mamba decisions, "
@@ -112,7 +117,9 @@ def apply_choices(parent: ArchSpec, decisions: list[Decision], choices: list[int
     """The child ArchSpec for one option index per decision."""
     spec = parent
     for d, k in zip(decisions, choices, strict=True):
-        spec = spec.replace_block(d.block_index, d.options[k])
+        merge = getattr(d, "merge", None)  # hybrid part decisions (space_hybrid.PartDecision) merge into the block
+        new = merge(spec.blocks[d.block_index], d.options[k]) if merge else d.options[k]
+        spec = spec.replace_block(d.block_index, new)
     return spec
 
 

@@ -1,0 +1,51 @@
+"""The generated stdlib_next_line lm-eval task: items are well formed and lm-eval scores the
+true line (a model that knows the text picks it)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autocompress_nemo.evaluate.stdlib_task import TASK, make_items, write_task
+
+TEXTS = ["\n".join(f"line_{d}_{i} = compute({i}, {d}) + offset" for i in range(40)) for d in range(5)]
+
+
+def test_items_have_the_true_next_line() -> None:
+    items = make_items(TEXTS, 10, seed=0)
+    assert len(items) == 10
+    for it in items:
+        last = it["context"].splitlines()[-1]
+        d, i = (int(x) for x in last.split(" = ")[0].split("_")[1:])
+        assert it["choices"][it["label"]] == f"line_{d}_{i + 1} = compute({i + 1}, {d}) + offset"
+        assert len(set(it["choices"])) == 4
+    assert make_items(TEXTS, 10, seed=0) == items  # deterministic
+
+
+def test_lm_eval_scores_an_oracle(tmp_path) -> None:
+    """An oracle LM that gives the true continuation the highest likelihood scores acc 1.0,
+    so the task's fields (context, choices, label) reach lm-eval as intended."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.api.model import LM
+    from lm_eval.tasks import TaskManager
+
+    d = write_task(tmp_path / "tasks", TEXTS, n_items=12, seed=1)
+    truth = {}
+    for line in open(d / f"{TASK}.jsonl"):
+        it = json.loads(line)
+        truth[it["context"]] = it["choices"][it["label"]]
+
+    class Oracle(LM):
+        def loglikelihood(self, requests, disable_tqdm=False):
+            return [(0.0 if truth.get(r.args[0]) == r.args[1] else -10.0, False) for r in requests]
+
+        def loglikelihood_rolling(self, requests, disable_tqdm=False):
+            raise AssertionError("not used")
+
+        def generate_until(self, requests, disable_tqdm=False):
+            raise AssertionError("not used")
+
+    res = lm_eval.simple_evaluate(model=Oracle(), tasks=[TASK], task_manager=TaskManager(include_path=str(d)),
+                                  bootstrap_iters=0)
+    assert res["results"][TASK]["acc,none"] == 1.0
