@@ -1,8 +1,9 @@
 """Run directory and stage bookkeeping shared by every stage entry point.
 
 A stage's artifact lives in ``<run_dir>/<stage>``. Its config hash covers the config
-sections the stage reads and the config hashes of the artifacts it consumes, so a change
-upstream reruns everything downstream. A complete, intact artifact (manifest present,
+sections the stage reads and the checksums of the artifacts it consumes, so a change of
+content upstream reruns everything downstream (a recomputed upstream artifact with
+byte-identical content does not). A complete, intact artifact (manifest present,
 every checksum holds) with the same hash is skipped; anything else is recomputed — a
 truncated or corrupted artifact is reported and never used. Long stages keep their
 checkpoints in ``<run_dir>/<stage>.ckpt/`` (outside the atomic artifact), so a killed
@@ -60,9 +61,9 @@ class Run:
 
     def config_hash(self, keys: tuple[str, ...], inputs: list[Path]) -> str:
         ins = {}
-        for p in inputs:
+        for p in inputs:  # what the inputs hold (their checksums), not only how they were made
             m = read_manifest(p)
-            ins[p.name] = m.get("config_hash") if m else None
+            ins[p.name] = hash_obj(m.get("files")) if m else None
         return hash_obj({"sections": self.section(*keys), "inputs": ins})
 
     def ckpt_dir(self, name: str) -> Path:

@@ -146,3 +146,34 @@ def test_rerun_from_saved_scores_reproduces_sorted_parent(tmp_path) -> None:
     from_perms = apply_permutations(spec, sd, Permutations.from_dict(json.loads((tmp_path / "perms.json").read_text())))
     for k, v in sorted_sd.items():
         assert torch.equal(again[k], v) and torch.equal(from_perms[k], v), k
+
+
+def test_search_killed_midway_resumes_to_the_same_result(tmp_path) -> None:
+    spec, _, _, _, _, sorted_sd = _ranked()
+    decisions = build_space(spec, CAPS, ffn_options=4)
+    budget = {"params": 0.75 * param_count(spec)}
+    batches = _batches(spec.vocab, 8, seed=11)
+
+    class Cfg(_Cfg):
+        steps = 12
+        checkpoint_every = 4
+
+    def run(ckpt, fail_at=None):
+        def batch_at(s):
+            if fail_at is not None and s == fail_at:
+                raise KeyboardInterrupt("killed")
+            return batches[s % len(batches)]
+
+        model = megatron_from_hf(spec, sorted_sd)
+        return run_router_search(model, spec, decisions, ParamCost(), budget, batch_at, forward_logits, Cfg(),
+                                 seed=0, checkpoint=ckpt, log=lambda s: None, router_init="parent")
+
+    ref = run(None)
+    ckpt = str(tmp_path / "router.pt")
+    with pytest.raises(KeyboardInterrupt):
+        run(ckpt, fail_at=9)
+    assert torch.load(ckpt, weights_only=False)["step"] == 8
+    resumed = run(ckpt)
+    assert resumed.choices == ref.choices
+    assert [r["kd"] for r in resumed.trajectory] == pytest.approx([r["kd"] for r in ref.trajectory], abs=1e-6)
+    assert sum(resumed.probs, []) == pytest.approx(sum(ref.probs, []), abs=1e-6)

@@ -37,6 +37,10 @@ def check_child(parent: ArchSpec, child: ArchSpec) -> None:
 
 def slice_state_dict(parent: ArchSpec, sorted_sd: dict[str, torch.Tensor], child: ArchSpec) -> dict[str, torch.Tensor]:
     """The child's state dict: prefixes of every sorted parent dimension (copies, contiguous)."""
+    if parent.kinds() & {"moe", "mamba"}:  # MoE / Mamba hybrids: HF-named per family (H7)
+        from autocompress_nemo.extract.slice_hybrid import slice_hybrid_state_dict
+
+        return slice_hybrid_state_dict(parent, sorted_sd, child)
     check_child(parent, child)
     hk = child.hidden
     out: dict[str, torch.Tensor] = {}

@@ -89,4 +89,5 @@ class Router(torch.nn.Module):
         return out
 
     def entropy(self) -> float:
-        return float(sum(-(p * torch.log(p.clamp_min(1e-12))).sum() for p in self.probs()))
+        with torch.no_grad():
+            return float(sum(-(p * torch.log(p.clamp_min(1e-12))).sum() for p in self.probs()))

@@ -118,7 +118,7 @@ def mamba_options(parent: MambaBlock, caps: Any) -> list[MambaBlock]:
     """Whole groups: ``G' * H/G`` heads for ``G' = 1..G`` (0 when ``remove_mamba``)."""
     hpg = parent.num_heads // parent.num_groups
     groups = range(1, parent.num_groups + 1) if _cap(caps, "vary_mamba_heads") else [parent.num_groups]
-    opts = [dataclasses.replace(parent, num_heads=g * hpg) for g in groups]
+    opts = [dataclasses.replace(parent, num_heads=g * hpg, num_groups=g) for g in groups]
     if _cap(caps, "remove_mamba"):
         opts.insert(0, dataclasses.replace(parent, num_heads=0))
     return opts

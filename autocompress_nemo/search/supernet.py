@@ -52,6 +52,13 @@ def _tp() -> tuple[int, int]:
 class Supernet:
     """Installs mask hooks on a Megatron GPT model built from the sorted parent."""
 
+    def __new__(cls, model: torch.nn.Module, parent: ArchSpec, decisions: list[Decision]):  # noqa: ANN204
+        if cls is Supernet and parent.kinds() & {"moe", "mamba"}:  # hybrids: search/supernet_hybrid.py (H7)
+            from autocompress_nemo.search.supernet_hybrid import HybridSupernet
+
+            return super().__new__(HybridSupernet)
+        return super().__new__(cls)
+
     def __init__(self, model: torch.nn.Module, parent: ArchSpec, decisions: list[Decision]):
         self.model = model
         self.parent = parent

@@ -16,8 +16,13 @@ context, ``P_b`` a block's active parameters, ``b_w`` / ``b_kv`` bytes per weigh
 - prefill FLOPs ``2 * P_b * B * I`` + attention ``2 * H * d * B * I^2`` (causal QK^T and AV);
   bytes ``P_b * b_w`` + KV written ``2 * G * d * B * I * b_kv``.
 - decode FLOPs ``2 * P_b * B`` + attention ``4 * H * d * B * C``; bytes ``P_b' * b_w`` (MoE:
-  experts touched by ``B`` tokens, ``min(E, B * k)``) + KV read ``2 * G * d * B * C * b_kv``
-  + Mamba state read and written ``2 * state``.
+  the experts touched by ``B`` tokens under uniform routing, ``E * (1 - (1 - k/E)^B)`` — so the
+  time of a routed expert's weights depends on tokens per expert ``B*k/E``) + KV read
+  ``2 * G * d * B * C * b_kv`` + Mamba state read and written ``2 * state``.
+- Mamba-2 adds the recurrence ``4 * Hm * Pm * N`` FLOPs per token (state update ``h = a*h + B x``
+  and read-out ``C h``; the chunked scan's intra-chunk work is not counted).
+- MoE blocks are priced as two parts (``costs.table.moe_parts``: routed, shared), each its own
+  roofline ``max``, as they run as separate kernels (``analytic_table``).
 - outside the blocks: LM head ``2 * V * h * B`` FLOPs and ``V * h * b_w`` bytes per step.
 """
 
@@ -33,6 +38,14 @@ from autocompress_nemo.costs import memory as mem
 from autocompress_nemo.costs.engines.base import Engine, Measurement, Workload
 
 VERSION = "roofline-v1"
+
+
+def expected_experts_touched(num_experts: int, top_k: int, batch: int) -> float:
+    """Distinct routed experts read by one decode step of ``B`` tokens, each picking ``k`` of ``E``
+    uniformly: ``E * (1 - (1 - k/E)^B)`` (``k`` at ``B = 1``; tends to ``E`` as ``B*k/E`` grows)."""
+    if num_experts <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
 
 
 class RooflineEngine(Engine):
@@ -70,7 +83,7 @@ class RooflineEngine(Engine):
         dc_flops = 2.0 * active * wl.batch
         dc_bytes = active * bw
         if isinstance(b, MoeBlock) and b.num_experts:
-            touched = min(b.num_experts, wl.batch * b.top_k)
+            touched = expected_experts_touched(b.num_experts, b.top_k, wl.batch)
             dc_bytes = (block_params(b, hidden, active=True) + (touched - b.top_k) * (
                 block_params(b, hidden) - block_params(b, hidden, active=True)) / max(1, b.num_experts - b.top_k)) * bw
         if isinstance(b, AttentionBlock):
@@ -81,6 +94,9 @@ class RooflineEngine(Engine):
             dc_bytes += 2 * b.num_kv_groups * b.head_dim * wl.batch * c * bkv
         if isinstance(b, MambaBlock):
             dc_bytes += 2 * mem.block_state_bytes(b, wl.batch, "f32")
+            scan = 4.0 * b.num_heads * b.head_dim * b.state_size  # per token: h = a*h + B x, y = C h
+            pf_flops += scan * wl.batch * wl.input_len
+            dc_flops += scan * wl.batch
         return self._t(pf_flops, pf_bytes), self._t(dc_flops, dc_bytes)
 
     def outside_ms(self, spec: ArchSpec, wl: Workload) -> tuple[float, float]:
@@ -107,3 +123,34 @@ class RooflineEngine(Engine):
         }
         return Measurement(prefill_ms=pf, decode_ms=dc, memory=memory, raw={"prefill_ms": [pf], "decode_ms": [dc]},
                            estimated=True)
+
+
+def analytic_table(engine: RooflineEngine, parent: ArchSpec, workload: Workload, options: list[Block]) -> Any:
+    """A cost table straight from the analytic model (no profiling runs: the roofline is additive by
+    construction): one entry per distinct block option among ``options`` and the parent's blocks,
+    MoE blocks as their two parts (``table.moe_parts``). Intercept = the LM head; no per-layer
+    overhead; workspace = ``memory.workspace_estimate`` at the prefill tokens (a constant).
+    Provenance says ``estimated: true`` and the label "estimated, not measured"."""
+    from autocompress_nemo.costs.profiler import expected_settings
+    from autocompress_nemo.costs.table import CostTable, make_provenance, moe_parts
+
+    seen: dict[Block, dict[str, Any]] = {}
+    for b in [*options, *parent.blocks]:
+        for p in (moe_parts(b) if isinstance(b, MoeBlock) else (b,)):
+            if p.removed or p in seen:
+                continue
+            pf, dc = engine.block_ms(p, parent.hidden, workload)
+            seen[p] = {"block": p.__dict__, "prefill_ms": pf, "decode_ms": dc, "source": "roofline"}
+    pf, dc = engine.outside_ms(parent, workload)
+    dtype = str(engine.cfg.dtype)
+    tokens = int(engine.setting("max_num_tokens", workload.input_len * workload.batch))
+    work = mem.workspace_estimate(parent, min(tokens, workload.input_len * workload.batch))
+    memory = {"output_bytes": float(mem.output_buffer_bytes(parent.vocab, workload.batch)), "compute_bytes": [],
+              "compute_base_bytes": work, "compute_range": [work, work], "weights_overhead_bytes": 0.0,
+              "kv_tokens": workload.context_len * workload.batch,
+              "norm_dtype": dtype if mem.bytes_per_element(dtype) >= 2 else "bf16"}
+    prov = make_provenance({**engine.provenance(), "estimated": True}, workload.__dict__,
+                           workload.decode_context(str(engine.setting("decode_context", "mean"))),
+                           expected_settings(engine.cfg), parent)
+    return CostTable(provenance=prov, parent=parent, intercept={"prefill_ms": pf, "decode_ms": dc},
+                     layer_overhead={"prefill_ms": 0.0, "decode_ms": 0.0}, blocks=list(seen.values()), memory=memory)

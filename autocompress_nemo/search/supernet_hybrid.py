@@ -1,0 +1,202 @@
+"""The supernet of MoE / Mamba hybrids: masks on the sorted parent ``models.hybrid`` model such
+that a one-hot choice gives exactly the forward of the extracted child (tested).
+
+Legend: T tokens, E routed experts, F expert ffn, S shared-expert ffn, H Mamba heads, p head dim.
+
+Where each decision (``space_hybrid``) acts:
+
+- ``attention``: per-query-head mask on the ``linear_proj`` input (as the dense supernet);
+- ``mlp``: per-neuron mask on the ``linear_fc2`` input;
+- ``mamba``: per-head mask (whole groups) on the ``out_proj`` input, i.e. after the gated
+  RMSNorm: a group's norm only sees its own heads, so dropping whole groups is exact (a
+  removed block's ``out_proj`` then writes zero into the residual stream);
+- ``moe_shared``: per-neuron mask on ``shared_experts.linear_fc2``'s input;
+- ``moe_routed``: (a) expert ffn mask ``[F]`` on every routed expert's ``linear_fc2`` input;
+  (b) the router's ``routing`` is replaced: dropped experts get ``-inf`` selection scores
+  (logits and, for a sigmoid router, the selection bias) *before* top-k, so they are never
+  picked and the top-k weights are renormalized over the kept experts exactly as the child's
+  router does; (c) top-k: with the experts sorted by selection score, the weights of top-k
+  option ``k'`` are the score function normalized over the first ``k'`` (sigmoid:
+  ``s_r / sum_{r<k'} s_r`` for ``k' > 1``; softmax after top-k: softmax over the first ``k'``
+  logits; softmax before top-k: unchanged), mixed linearly by the option weights (expert outputs
+  are linear in their weights, so this is the expected output over ``k'``).
+
+Soft (expected) masks for the router search: each mask is ``sum_k w_k * mask_k`` over the
+options' keep-indicators. For routed experts the expected keep-mask ``m_e`` scales expert
+``e``'s routing weight (so gradients reach the choice), while *selection* uses the hard mask
+``m_e >= 0.5`` (an expert is excluded from top-k when most of the option weight drops it): a
+straight-through-style relaxation, exact for one-hot choices. Group-limited routing, token
+dropping and expert tensor parallelism are not supported with routed-expert decisions (a clear
+error). Under EP the router runs on every rank with the full expert set, so masks are global.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.search.space import Decision
+from autocompress_nemo.search.supernet import Supernet, _tp
+from autocompress_nemo.search.supernet import option_masks as dense_option_masks
+
+
+def _prefix(n: int, keep: list[int]) -> torch.Tensor:
+    j = torch.arange(n)
+    return torch.stack([(j < k).float() for k in keep])
+
+
+def hybrid_option_masks(d: Decision, parent: ArchSpec) -> dict[str, torch.Tensor]:
+    """``{mask name: [K, D]}`` keep-indicators of every option of ``d`` (prefixes of the sorted parent)."""
+    pb = parent.blocks[d.block_index]
+    if d.kind in ("attention", "mlp"):
+        assert isinstance(pb, AttentionBlock | MlpBlock)
+        return {"out": dense_option_masks(d, pb)}
+    if d.kind == "mamba":
+        assert isinstance(pb, MambaBlock)
+        return {"out": _prefix(pb.num_heads, [o.num_heads for o in d.options])}  # type: ignore[union-attr]
+    assert isinstance(pb, MoeBlock)
+    if d.kind == "moe_shared":
+        return {"shared": _prefix(pb.shared_ffn, [o.shared_ffn for o in d.options])}  # type: ignore[union-attr]
+    if d.kind == "moe_routed":
+        ks = sorted({o.top_k for o in d.options if o.num_experts})  # type: ignore[union-attr]
+        topk = torch.stack([torch.tensor([float(o.num_experts and o.top_k == k) for k in ks])  # type: ignore[union-attr]
+                            for o in d.options])
+        return {"experts": _prefix(pb.num_experts, [o.num_experts for o in d.options]),  # type: ignore[union-attr]
+                "expert_ffn": _prefix(pb.expert_ffn, [o.expert_ffn for o in d.options]),  # type: ignore[union-attr]
+                "topk": topk, "topk_values": torch.tensor(ks, dtype=torch.float32).unsqueeze(0)}
+    raise ValueError(f"decision kind {d.kind!r} has no supernet mask")
+
+
+class HybridSupernet(Supernet):
+    """Mask hooks on a ``models.hybrid`` model built from the sorted parent (see module docstring).
+    Same interface as ``Supernet``: ``set_choice_weights``, ``set_choices``, ``clear``, ``remove``,
+    ``enabled``."""
+
+    def __init__(self, model: torch.nn.Module, parent: ArchSpec, decisions: list[Decision]):
+        self.model, self.parent, self.decisions = model, parent, decisions
+        self.masks_of = [hybrid_option_masks(d, parent) for d in decisions]
+        self._masks: dict[tuple[int, str], torch.Tensor] = {}
+        self._topk: dict[int, list[int]] = {}
+        self.enabled = True
+        self._handles: list[Any] = []
+        self._routers: list[Any] = []
+        tp_rank, tp_world = _tp()
+        layers = {int(layer.layer_number) - 1: layer for layer in model.decoder.layers}
+        for d, om in zip(decisions, self.masks_of, strict=True):
+            bi, pb = d.block_index, parent.blocks[d.block_index]
+            if bi not in layers:
+                continue  # another pipeline stage
+            layer = layers[bi]
+            if d.kind == "attention":
+                self._hook(layer.self_attention.linear_proj, (bi, "out"), pb.head_dim, pb.num_heads, tp_rank, tp_world)  # type: ignore[union-attr]
+            elif d.kind == "mlp":
+                self._hook(layer.mlp.linear_fc2, (bi, "out"), 1, pb.ffn, tp_rank, tp_world)  # type: ignore[union-attr]
+            elif d.kind == "mamba":
+                self._hook(layer.mixer.out_proj, (bi, "out"), pb.head_dim, pb.num_heads, tp_rank, tp_world)  # type: ignore[union-attr]
+            elif d.kind == "moe_shared":
+                self._hook(layer.mlp.shared_experts.linear_fc2, (bi, "shared"), 1, pb.shared_ffn, tp_rank, tp_world)  # type: ignore[union-attr]
+            elif d.kind == "moe_routed":
+                self._install_routed(layer, bi, pb, [int(k) for k in om["topk_values"][0].tolist()])  # type: ignore[arg-type]
+
+    # -- hooks --------------------------------------------------------------------------
+    def _hook(self, mod: torch.nn.Module, key: tuple[int, str], unit: int, size: int, rank: int, world: int) -> None:
+        local = size // world
+        start = local * rank
+
+        def hook(_mod, args):  # noqa: ANN001, ANN202
+            if not self.enabled or key not in self._masks:
+                return None
+            m = self._masks[key][start : start + local]
+            if unit > 1:
+                m = m.repeat_interleave(unit)
+            x = args[0]
+            return (x * m.to(x.dtype),) + tuple(args[1:])
+
+        self._handles.append(mod.register_forward_pre_hook(hook))
+
+    def _install_routed(self, layer: Any, bi: int, pb: MoeBlock, ks: list[int]) -> None:
+        cfg = layer.mlp.config
+        if cfg.moe_router_group_topk or cfg.moe_expert_capacity_factor is not None:
+            raise ValueError(f"block {bi}: routed-expert decisions need plain top-k routing (no group-limited "
+                             "routing, no token dropping); fix the engine capabilities or the model config")
+        if getattr(cfg, "expert_tensor_parallel_size", 1) not in (None, 1):
+            raise ValueError(f"block {bi}: routed-expert decisions do not support expert tensor parallelism")
+        for expert in layer.mlp.experts.local_experts:
+            self._hook(expert.linear_fc2, (bi, "expert_ffn"), 1, pb.expert_ffn, 0, 1)
+        router = layer.mlp.router
+        self._topk[bi] = ks
+        original = type(router).routing
+
+        def routing(logits: torch.Tensor, padding_mask: torch.Tensor | None = None):  # noqa: ANN202
+            if not self.enabled or (bi, "experts") not in self._masks:
+                return original(router, logits, padding_mask=padding_mask)
+            return self._masked_routing(router, bi, logits)
+
+        router.routing = routing
+        self._routers.append(router)
+
+    def _masked_routing(self, router: Any, bi: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(probs [T, E], routing_map [T, E])`` of the masked router (module docstring, (b)-(c))."""
+        cfg = router.config
+        E = cfg.num_moe_experts
+        L = logits.view(-1, E).float()
+        m_e = self._masks[(bi, "experts")].to(L.device)
+        w_k = self._masks[(bi, "topk")]
+        ks = self._topk[bi]
+        keep = m_e >= 0.5
+        active = [j for j, w in enumerate(w_k.tolist()) if w > 0]
+        if not bool(keep.any()) or not active:  # no routed experts: the routed part adds nothing
+            z = torch.zeros_like(L)
+            return (z * m_e.sum()).type_as(logits), torch.zeros_like(L, dtype=torch.bool)
+        kmax = min(max(ks[j] for j in active), E)
+        neg = torch.tensor(float("-inf"), device=L.device)
+        score_fn = router.score_function
+        if score_fn == "sigmoid":
+            scores = torch.sigmoid(L)
+            sel = scores + router.expert_bias.float() if router.expert_bias is not None else scores
+            idx = torch.where(keep, sel, neg).topk(kmax, dim=1).indices
+            s = scores.gather(1, idx) * keep[idx]
+        elif score_fn == "softmax" and cfg.moe_router_pre_softmax:
+            scores = torch.softmax(torch.where(keep, L, neg), dim=-1)
+            idx = scores.topk(kmax, dim=1).indices
+            s = scores.gather(1, idx)
+        elif score_fn == "softmax":
+            top = torch.where(keep, L, neg).topk(kmax, dim=1)
+            idx, s = top.indices, top.values
+        else:
+            raise ValueError(f"block {bi}: router score function {score_fn!r} is not supported by the supernet")
+        probs_top = torch.zeros_like(s)
+        for j in active:
+            k = min(ks[j], kmax)
+            part = s[:, :k]
+            if score_fn == "sigmoid":
+                part = part / (part.sum(dim=-1, keepdim=True) + 1e-20) if ks[j] > 1 else part
+            elif not cfg.moe_router_pre_softmax:
+                part = torch.softmax(part, dim=-1).nan_to_num(0.0)
+            probs_top = probs_top + w_k[j] * torch.nn.functional.pad(part, (0, kmax - k))
+        if cfg.moe_router_topk_scaling_factor:
+            probs_top = probs_top * cfg.moe_router_topk_scaling_factor
+        probs_top = probs_top * (m_e[idx] * keep[idx])
+        probs = torch.zeros_like(L).scatter(1, idx, probs_top)
+        routing_map = torch.zeros_like(L, dtype=torch.bool).scatter(1, idx, keep[idx])
+        return probs.type_as(logits), routing_map
+
+    # -- masks --------------------------------------------------------------------------
+    def set_choice_weights(self, weights: list[torch.Tensor]) -> None:
+        """Masks from per-decision option weights (one-hot, probabilities or Gumbel samples)."""
+        for d, om, w in zip(self.decisions, self.masks_of, weights, strict=True):
+            for name, m in om.items():
+                if name != "topk_values":
+                    self._masks[(d.block_index, name)] = w.to(m.dtype) @ m
+
+    def set_choices(self, choices: list[int]) -> None:
+        self.set_choice_weights([torch.nn.functional.one_hot(torch.tensor(k), len(d.options)).float()
+                                 for d, k in zip(self.decisions, choices, strict=True)])
+
+    def remove(self) -> None:
+        super().remove()
+        for r in self._routers:
+            r.__dict__.pop("routing", None)
+        self._routers.clear()

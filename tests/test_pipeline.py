@@ -1,0 +1,68 @@
+"""The pipeline's bookkeeping on a tiny model (analytic cost model, so no engine is needed):
+a rerun with the same inputs skips every stage; a truncated artifact is detected by its
+checksum and recomputed (with everything downstream), never used; an impossible budget
+stops before any training with the smallest reachable cost."""
+
+from __future__ import annotations
+
+import pytest
+
+from autocompress_nemo.config.entry import compose
+
+TINY = ["model=tiny_llama", "+target=tiny_cpu", "engine@target.engine=roofline",
+        "target.hardware.peak_tflops=0.2", "target.hardware.mem_bandwidth_gbs=20", "search=quick",
+        "search.steps=4", "stages=[profile,rank,search,extract]"]
+
+
+def _run(tmp_path, capsys, extra=()):
+    from autocompress_nemo.search.__main__ import run_pipeline
+
+    cfg = compose([*TINY, f"run_dir={tmp_path}/run", *extra])
+    out = run_pipeline(cfg)
+    return out, capsys.readouterr().out
+
+
+def test_rerun_skips_and_corruption_recomputes(tmp_path, capsys) -> None:
+    _, first = _run(tmp_path, capsys)
+    for stage in ("profile", "rank", "search_autocompress", "extract_autocompress"):
+        assert f"[{stage}] running" in first
+    _, second = _run(tmp_path, capsys)
+    for stage in ("profile", "rank", "search_autocompress", "extract_autocompress"):
+        assert f"[{stage}] skipped: artifact complete for the same inputs" in second
+    assert "running" not in second
+    # truncate the sorted parent: the checksum catches it, rank reruns, and so does what reads it
+    from autocompress_nemo.utils.artifacts import sha256_file
+
+    weights = tmp_path / "run" / "rank" / "model.safetensors"
+    good = sha256_file(weights)
+    weights.write_bytes(weights.read_bytes()[:100])
+    _, third = _run(tmp_path, capsys)
+    assert "[profile] skipped" in third
+    assert "[rank] recomputing:" in third and "checksum mismatch (truncated or corrupted)" in third
+    # rank is deterministic: the recomputed sorted parent is byte-identical, so what reads it is still valid
+    assert sha256_file(weights) == good
+    assert "[search_autocompress] skipped" in third
+    # a truncated search artifact is recomputed too, and what reads it (its content changed: new manifest) as well
+    arch = tmp_path / "run" / "search_autocompress" / "arch.json"
+    arch.write_text(arch.read_text()[:50])
+    _, fourth = _run(tmp_path, capsys)
+    assert "[search_autocompress] recomputing:" in fourth and "arch.json: checksum mismatch" in fourth
+    assert "[rank] skipped" in fourth
+
+
+def test_changed_config_reruns_downstream_only(tmp_path, capsys) -> None:
+    _run(tmp_path, capsys)
+    _, out = _run(tmp_path, capsys, ["search.slack=0.1"])
+    assert "[profile] skipped" in out and "[rank] skipped" in out
+    assert "[search_autocompress] recomputing: config changed" in out
+
+
+def test_impossible_budget_stops_before_training(tmp_path, capsys) -> None:
+    from autocompress_nemo.search.__main__ import run_pipeline
+
+    cfg = compose([*TINY, f"run_dir={tmp_path}/run", "budget@target.budget=decode_0.6x",
+                   "target.budget.constraints.0.value=0.0001"])
+    with pytest.raises(ValueError, match=r"infeasible budget: the smallest architecture in the search space costs decode_ms="):
+        run_pipeline(cfg)
+    assert not (tmp_path / "run" / "search_autocompress").exists()
+    assert not (tmp_path / "run" / "search_autocompress.ckpt" / "router.pt").exists()
