@@ -37,23 +37,22 @@ def _cap(caps: Any, name: str, default: Any = False) -> Any:
 
 
 def ffn_widths(parent_ffn: int, n_options: int, align: int, allow_zero: bool) -> list[int]:
-    """Evenly spaced widths in (0, parent], snapped down to ``align`` (the parent width always kept)."""
-    align = max(1, int(align))
-    widths = {parent_ffn}
-    for i in range(1, n_options):
-        w = parent_ffn * i // n_options
-        w = (w // align) * align
-        if w > 0:
-            widths.add(w)
-    out = sorted(widths)
-    return ([0] if allow_zero else []) + out
+    """The profiler's ffn grid (the widths the cost table was measured at), plus 0 when the
+    block may be removed."""
+    from autocompress_nemo.costs.profiler import ffn_grid
+
+    return ([0] if allow_zero else []) + ffn_grid(parent_ffn, n_options, align, True)
 
 
 def attention_options(parent: AttentionBlock, caps: Any, allow_remove: bool) -> list[AttentionBlock]:
     """(groups, heads per group) prefixes the engine can serve, ordered by kept query heads."""
     hpg = parent.heads_per_group
-    vary_groups = _cap(caps, "vary_kv_groups")
     vary_q = _cap(caps, "vary_query_heads")
+    # Dropping KV groups by prefix drops their query heads too, so it needs per-layer query
+    # heads. Engines that keep query heads global (TensorRT-LLM / vLLM DeciLM) would need KV
+    # heads merged instead of sliced, which this build does not do: there attention is kept
+    # whole or removed.
+    vary_groups = _cap(caps, "vary_kv_groups") and vary_q
     groups = range(1, parent.num_kv_groups + 1) if vary_groups else [parent.num_kv_groups]
     per_group = range(1, hpg + 1) if vary_q else [hpg]
     opts = {

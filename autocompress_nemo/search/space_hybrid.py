@@ -28,8 +28,8 @@ dimension, so the supernet serves them all with one set of weights):
   (The parts' costs add up to the block's except the block's input norm, ``h`` parameters,
   counted in both parts by ``arch.counts``: negligible, and the exact face is exact.)
 
-Top-k levels: ``{k} U {ceil(k*i/4), i = 2, 3}``, at least 2 for a sigmoid router (Megatron
-does not normalize a single expert's weight; see ``models/hybrid/configs.block_config``).
+Top-k levels: ``{k} U {ceil(k*i/4), i = 2, 3}``, at least 2 unless the router is softmax-then-top-k
+(``min_top_k``).
 Hidden size is not varied here.
 """
 
@@ -81,8 +81,9 @@ def topk_levels(k: int, min_k: int) -> list[int]:
 
 
 def min_top_k(spec: ArchSpec) -> int:
-    """2 for a sigmoid router (Nemotron-H), 1 for a softmax router (Qwen3-MoE)."""
-    return 2 if spec.family == "nemotron_h" else 1
+    """1 only for a softmax-then-top-k router (Qwen3-MoE with ``norm_topk_prob=False``); else 2:
+    Megatron does not normalize a single sigmoid weight, and refuses top-1 after top-k softmax."""
+    return 1 if spec.family == "qwen3_moe" and spec.extra.get("norm_topk_prob", True) is False else 2
 
 
 def moe_routed_options(parent: MoeBlock, spec: ArchSpec, caps: Any, n_levels: int = 4) -> list[MoeBlock]:
