@@ -189,13 +189,13 @@ def resolve_budget(budget: Any, parent: dict[str, Any], batch: int | None = None
     constraints = _get(budget, "constraints", budget) or []
     b = int(batch or parent.get("batch", 1) or 1)
     out: dict[str, float] = {}
+    from autocompress_nemo.config.resolve import parse_budget
+
     for c in constraints:
         metric, value = str(_get(c, "metric")), _get(c, "value")
-        rel = isinstance(value, str) and value.strip().lower().endswith("x")
-        try:
-            num = float(value.strip()[:-1]) if rel else float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"budget {metric}: value {value!r} is neither a number nor a ratio like '0.6x'") from None
+        parsed = parse_budget(metric, value)  # the one budget parser: numbers, '0.6x', '12GB', '40ms'
+        rel = parsed.is_relative
+        num = float(parsed.relative if rel else parsed.absolute)  # type: ignore[arg-type]
         if metric == "throughput_tps":
             if rel:
                 if "decode_ms" not in parent:

@@ -45,11 +45,12 @@ def serving_memory(spec: ArchSpec, target: Any) -> dict[str, Any]:
     return out
 
 
-def _limit(value: Any, parent_value: float) -> float:
-    """A budget value: a number, or ``"0.6x"`` relative to the parent measured the same way."""
-    if isinstance(value, str) and value.strip().lower().endswith("x"):
-        return float(value.strip()[:-1]) * parent_value
-    return float(value)
+def _limit(value: Any, parent_value: float, metric: str = "memory_bytes") -> float:
+    """A budget value (a number, ``"0.6x"`` relative to the parent measured the same way, or a
+    quantity with a unit such as ``"180GB"``), through the one budget parser."""
+    from autocompress_nemo.config.resolve import parse_budget
+
+    return parse_budget(metric, value).limit(parent_value)
 
 
 def _constraints(target: Any) -> list[tuple[str, Any]]:
@@ -61,7 +62,7 @@ def meets(spec: ArchSpec, serving: dict[str, Any], parent: ArchSpec, parent_serv
     for metric, value in _constraints(target):
         if metric == "memory_bytes" and serving["total"] > _limit(value, parent_serving["total"]):
             return False
-        if metric == "params" and counts.param_count(spec) > _limit(value, counts.param_count(parent)):
+        if metric == "params" and counts.param_count(spec) > _limit(value, counts.param_count(parent), "params"):
             return False
     return True
 
@@ -80,7 +81,7 @@ def check_budget(
             checks.append(f"memory_bytes <= {lim / 1e9:,.2f} GB: smallest model needs {smallest_serving['total'] / 1e9:,.2f} GB "
                           f"({'reachable' if good else 'NOT reachable'}; parent {parent_serving['total'] / 1e9:,.2f} GB)")
         elif metric == "params":
-            lim = _limit(value, counts.param_count(parent))
+            lim = _limit(value, counts.param_count(parent), "params")
             good = counts.param_count(smallest) <= lim
             checks.append(f"params <= {lim / 1e9:,.2f} B: smallest model has {counts.param_count(smallest) / 1e9:,.2f} B "
                           f"({'reachable' if good else 'NOT reachable'})")

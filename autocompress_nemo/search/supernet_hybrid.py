@@ -146,7 +146,7 @@ class HybridSupernet(Supernet):
         w_k = self._masks[(bi, "topk")]
         ks = self._topk[bi]
         keep = m_e >= 0.5
-        active = [j for j, w in enumerate(w_k.tolist()) if w > 0]
+        active = [j for j, w in enumerate(w_k.detach().tolist()) if w > 0]
         if not bool(keep.any()) or not active:  # no routed experts: the routed part adds nothing
             z = torch.zeros_like(L)
             return (z * m_e.sum()).type_as(logits), torch.zeros_like(L, dtype=torch.bool)
