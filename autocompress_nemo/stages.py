@@ -215,7 +215,7 @@ def distill(ctx: Context, out: Path, rank_dir: Path, extract_dir: Path, ckpt_dir
 
 
 # -- evaluate ----------------------------------------------------------------------------------------------
-def heldout_perplexity(ctx: Context, spec: ArchSpec, sd: dict[str, torch.Tensor]) -> dict[str, float]:
+def heldout_perplexity(ctx: Context, spec: ArchSpec, sd: dict[str, torch.Tensor], lm_eval: bool = True) -> dict[str, Any]:
     from autocompress_nemo.distill.kd import kd_loss, lm_loss
 
     ev = ctx.cfg.evaluate
@@ -233,7 +233,8 @@ def heldout_perplexity(ctx: Context, spec: ArchSpec, sd: dict[str, torch.Tensor]
     mean = sum(nll) / len(nll)
     out = {"heldout_nll": mean, "heldout_ppl": float(torch.tensor(mean).exp()),
            "heldout_tokens": sum(x.numel() for x in batches), "kd_to_parent": (sum(kd) / len(kd)) if kd else 0.0}
-    out["lm_eval"] = lm_eval_scores(ctx, model)
+    if lm_eval:
+        out["lm_eval"] = lm_eval_scores(ctx, model)
     return out
 
 
@@ -265,7 +266,7 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def evaluate(ctx: Context, out: Path, rank_dir: Path, table_path: Path, validation_dir: Path | None,
-             students: dict[str, Path]) -> None:
+             students: dict[str, Path], extracted: dict[str, Path] | None = None) -> None:
     """Accuracy on held-out text and costs measured in the target's engine, against the budgets,
     next to the predictions — for the parent and every student, measured in one interleaved session."""
     from autocompress_nemo.costs.engines import get_engine
@@ -286,6 +287,14 @@ def evaluate(ctx: Context, out: Path, rank_dir: Path, table_path: Path, validati
         acc = heldout_perplexity(ctx, spec, sd)
         results["models"][name] = {"spec": spec.to_dict(), "pattern": spec.pattern, "params": param_count(spec),
                                    "accuracy": acc, "predicted": _numbers(predictor.predict(spec))}
+    # the architectures alone: extracted students before any recovery (held-out loss only)
+    results["before_recovery"] = {}
+    for name, d in (extracted or {}).items():
+        if d in students.values():
+            continue
+        spec, sd = load_weights(d)
+        ctx.say(f"[evaluate] {name} before recovery: held-out perplexity")
+        results["before_recovery"][name] = heldout_perplexity(ctx, spec, sd, lm_eval=False)
     engine = get_engine(cfg.target, workdir=out / "engine_work")
     wl = Workload.from_config(cfg.target.workload)
     specs = [models[n][0].replace(name=n) for n in models]
@@ -309,6 +318,8 @@ def evaluate(ctx: Context, out: Path, rank_dir: Path, table_path: Path, validati
 
     shutil.rmtree(out / "engine_work", ignore_errors=True)
     write_json_atomic(out / "evaluation.json", results)
+    for n, r in results["before_recovery"].items():
+        ctx.say(f"[evaluate] {n} before recovery: ppl {r['heldout_ppl']:.3f} KD to parent {r['kd_to_parent']:.4f}")
     for n, r in results["models"].items():
         ctx.say(f"[evaluate] {n}: ppl {r['accuracy']['heldout_ppl']:.3f} params {r['params']:,} "
                 + " ".join(f"{k} {c['measured']:.4g}/{c['budget']:.4g} {'PASS' if c['pass'] else 'FAIL'}"
@@ -358,6 +369,7 @@ def collect_results(ctx: Context, run: Any, methods: list[str], validation_dir: 
                    "workload": dict(ctx.cfg.target.workload)},
         "budgets": ev.get("budgets", {}), "budget_reference": ev.get("budget_reference", ""),
         "models": ev.get("models", {}), "methods": {}, "stages_wall_s": {},
+        "before_recovery": ev.get("before_recovery", {}),
     }
     for m in methods:
         arch = d / f"search_{m}" / "arch.json"

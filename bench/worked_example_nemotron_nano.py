@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 from autocompress_nemo.arch.counts import block_params, param_count
@@ -52,7 +52,7 @@ METRICS = ("response_latency_ms", "memory_bytes", "prefill_ms", "decode_ms")
 def fast_predict(pred: Predictor, parent: ArchSpec):  # noqa: ANN201
     """``Predictor.cost`` for the budget metrics with per-block costs memoized (the same sums)."""
 
-    @lru_cache(maxsize=None)
+    @cache
     def bc(b: Block, m: str) -> float:
         return pred.block_cost(b, m)
 

@@ -232,6 +232,17 @@ def _accuracy(res: dict[str, Any]) -> list[str]:
     return out
 
 
+def _before_recovery(res: dict[str, Any]) -> list[str]:
+    """The architectures alone: each extracted student (sliced from the sorted parent) before
+    any recovery distillation, on the same held-out text."""
+    br = res.get("before_recovery") or {}
+    if not br:
+        return ["Not evaluated."]
+    rows = [[DISPLAY.get(k, k), fmt(v.get("heldout_ppl")), fmt(v.get("kd_to_parent")), fmt(v.get("heldout_tokens"))]
+            for k, v in br.items()]
+    return [table(["student (extracted, no recovery)", "perplexity (held-out)", "KD loss to parent", "tokens"], rows)]
+
+
 def _widths(res: dict[str, Any]) -> list[str]:
     specs: dict[str, ArchSpec] = {e["label"]: s for e in res["models"].values() if (s := spec_of(e)) is not None}
     if not specs:
@@ -281,7 +292,8 @@ def render_markdown(res: dict[str, Any]) -> str:
         parts += [f"Command: `{run['command']}`" + (f" ({run['created']})" if run.get("created") else ""), ""]
     sections = [("Summary", _summary(res)), ("Target and budgets", _target(res)), ("Models", _models(res)),
                 ("Costs: predicted and measured", _costs(res)), ("Budget compliance", _checks(res)),
-                ("Accuracy", _accuracy(res)), ("Per-block widths", _widths(res)),
+                ("Accuracy", _accuracy(res)), ("Before recovery distillation", _before_recovery(res)),
+                ("Per-block widths", _widths(res)),
                 ("Cost-model validation", _validation(res)), ("Tokens and wall time", _tokens_wall(res))]
     for title, lines in sections:
         parts += [f"## {title}", "", *lines, ""]

@@ -52,6 +52,7 @@ def run_pipeline(cfg: DictConfig) -> dict[str, Any]:
                                                                "search.search_hidden", "seed"))
     methods = [str(cfg.search.method)] + (["minitron_pp"] if cfg.baseline and cfg.search.method != "minitron_pp" else [])
     students: dict[str, Path] = {}
+    extracted: dict[str, Path] = {}
     for m in methods:
         if not wanted & {"search", "extract", "distill", "evaluate", "export"}:
             break
@@ -60,14 +61,16 @@ def run_pipeline(cfg: DictConfig) -> dict[str, Any]:
                                                                       run.ckpt_dir(f"search_{m}")),
                          ("target", "search", "seed"), inputs)
         student = run.stage(f"extract_{m}", lambda d, a=arch: stages.extract(ctx, d, ranked, a), (), [ranked, arch])
+        extracted[m] = student
         if wanted & {"distill", "evaluate", "export"} and "distill" in wanted:
             student = run.stage(f"distill_{m}", lambda d, s=student, m=m: stages.distill(ctx, d, ranked, s,
                                                                                         run.ckpt_dir(f"distill_{m}")),
                                 ("distill", "data", "seed"), [ranked, student])
         students[m] = student
     if "evaluate" in wanted and students:
-        ev = run.stage("evaluate", lambda d: stages.evaluate(ctx, d, ranked, table, vdir, students),
-                       ("target", "evaluate"), [ranked, prof, *students.values()] + ([validation] if validation else []))
+        ev = run.stage("evaluate", lambda d: stages.evaluate(ctx, d, ranked, table, vdir, students, extracted),
+                       ("target", "evaluate"),
+                       [ranked, prof, *students.values(), *extracted.values()] + ([validation] if validation else []))
         out["evaluation"] = str(ev / "evaluation.json")
     if "export" in wanted:
         for m, s in students.items():
