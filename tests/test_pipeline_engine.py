@@ -1,0 +1,39 @@
+"""The whole pipeline on a tiny model with the real engine (llama.cpp on this CPU): every
+stage runs, the report is written, the students are measured in llama.cpp against the
+budget, and the exported GGUF (``deci`` when heterogeneous) loads and generates text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (extra: engines)")
+
+
+def test_tiny_pipeline_end_to_end_in_llama_cpp(tmp_path, capsys) -> None:
+    from autocompress_nemo.config.entry import compose
+    from autocompress_nemo.search.__main__ import run_pipeline
+
+    cfg = compose(["model=tiny_llama", "+target=tiny_cpu", "search=quick", "baseline=true",
+                   f"run_dir={tmp_path}/run", "evaluate.lm_eval_items=16", "evaluate.heldout_batches=2",
+                   "search.minitron_retrain_steps=2"])
+    out = run_pipeline(cfg)
+    run = tmp_path / "run"
+    ev = json.loads((run / "evaluate" / "evaluation.json").read_text())
+    for name in ("parent", "autocompress", "minitron_pp"):
+        m = ev["models"][name]
+        assert m["measured_by"].startswith("llama_cpp"), m["measured_by"]
+        assert m["accuracy"]["heldout_ppl"] > 1
+        assert "stdlib_next_line" in m["accuracy"]["lm_eval"]
+    assert set(ev["before_recovery"]) == {"autocompress", "minitron_pp"}
+    report = (run / "report.md").read_text()
+    assert "## Budget compliance" in report and "measured in llama_cpp" in report
+    assert out["report"].endswith("report.md")
+    ggufs = list((run / "export_autocompress").glob("*.gguf"))
+    assert len(ggufs) == 1
+    llm = llama_cpp.Llama(model_path=str(ggufs[0]), n_ctx=64, n_threads=1, verbose=False)
+    res = llm("def main(", max_tokens=6, temperature=0.0)
+    assert res["usage"]["completion_tokens"] >= 1
+    assert (run / "export_autocompress" / "hf" / "config.json").is_file()
