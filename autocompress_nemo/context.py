@@ -62,6 +62,10 @@ class Context:
         from autocompress_nemo.models.parent import load_parent
 
         spec, sd, tok = load_parent(self.cfg.model)
+        if sd is None and not spec.is_dense_layered():  # MoE / Mamba hybrids: Nemotron-H / Qwen3-MoE names
+            from autocompress_nemo.models.hybrid.state_dict import random_hf_state_dict as random_hybrid
+
+            sd = random_hybrid(spec, seed=int(self.cfg.seed))
         if sd is None:
             from autocompress_nemo.models.llama.reference import random_hf_state_dict
 
@@ -89,6 +93,11 @@ class Context:
 
         self.init_distributed()
         model = build_model(spec, sequence_parallel=bool(self.cfg.cluster.sequence_parallel), init_seed=int(self.cfg.seed))
+        if not spec.is_dense_layered():  # MoE / Mamba hybrids: the family's HF names (models/hybrid)
+            from autocompress_nemo.models.hybrid import hf_to_megatron as hybrid_hf_to_megatron
+
+            hybrid_hf_to_megatron(spec, sd, model)
+            return model
         hf_to_megatron(spec, sd, model)
         return model
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from autocompress_nemo.arch.counts import param_count
+from autocompress_nemo import stages_hybrid
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.context import Context, load_weights, read_json, save_weights
 from autocompress_nemo.utils.artifacts import write_json_atomic
@@ -28,6 +29,8 @@ def rank(ctx: Context, out: Path) -> None:
     from autocompress_nemo.rank.reorder import apply_permutations, permutations_from_scores
 
     spec, sd, _ = ctx.parent
+    if not spec.is_dense_layered():  # MoE / Mamba hybrids
+        return stages_hybrid.rank(ctx, out)
     s = ctx.cfg.search
     model = ctx.model(spec, sd)
     n_batches = max(1, int(s.calib_sequences) // int(s.batch_size))
@@ -98,6 +101,8 @@ def search(ctx: Context, out: Path, method: str, rank_dir: Path, table_path: Pat
     from autocompress_nemo.search.minitron import run_minitron_pp
     from autocompress_nemo.search.space import apply_choices, build_space
 
+    if not ctx.parent[0].is_dense_layered():  # MoE / Mamba hybrids
+        return stages_hybrid.search(ctx, out, method, rank_dir, table_path, validation_dir, ckpt_dir)
     cfg, s = ctx.cfg, ctx.cfg.search
     spec, sd, imp, perms = sorted_parent(rank_dir)
     predictor = Predictor(load_table(cfg, table_path), cfg.target)
@@ -184,6 +189,8 @@ def extract(ctx: Context, out: Path, rank_dir: Path, search_dir: Path) -> None:
     from autocompress_nemo.extract.slice import slice_state_dict
     from autocompress_nemo.models.llama.hf_io import export_hf
 
+    if not ctx.parent[0].is_dense_layered():  # MoE / Mamba hybrids
+        return stages_hybrid.extract(ctx, out, rank_dir, search_dir)
     spec, sd, _, _ = sorted_parent(rank_dir)
     rec = read_json(search_dir / "arch.json")
     child = ArchSpec.from_dict(rec["child"])
@@ -200,6 +207,8 @@ def distill(ctx: Context, out: Path, rank_dir: Path, extract_dir: Path, ckpt_dir
     from autocompress_nemo.distill.recover import distill as run_distill
     from autocompress_nemo.models.llama.state_dict_adapter import megatron_to_hf
 
+    if not ctx.parent[0].is_dense_layered():  # MoE / Mamba hybrids
+        return stages_hybrid.distill(ctx, out, rank_dir, extract_dir, ckpt_dir)
     d = ctx.cfg.distill
     pspec, psd, _, _ = sorted_parent(rank_dir)
     cspec, csd = load_weights(extract_dir)
@@ -339,6 +348,8 @@ def export(ctx: Context, out: Path, student_dir: Path) -> None:
     from autocompress_nemo.models.llama.hf_io import export_hf
 
     spec, sd = load_weights(student_dir)
+    if not spec.is_dense_layered():  # MoE / Mamba hybrids: HF (Nemotron-H) + Megatron, no GGUF
+        return stages_hybrid.export(ctx, out, student_dir)
     export_hf(spec, sd, out / "hf", tokenizer=None)
     if str(ctx.cfg.target.engine.name) == "llama_cpp":
         path = write_gguf(spec, out / f"{spec.name or 'student'}.gguf", {k: v.float().numpy().astype(np.float32) for k, v in sd.items()},

@@ -140,6 +140,8 @@ def build_table(
 ) -> CostTable:
     """Profile every option of ``parent`` in ``engine`` under ``workload`` and return the table."""
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    if not parent.is_dense_layered():  # MoE / Mamba hybrids: per-block-option profiling below
+        return build_hybrid_table(engine, parent, workload, ffn_points=ffn_points, log=log)
     k1 = int(engine.setting("profile_k1", 0)) if k1 is None else k1
     k2_set = engine.setting("profile_k2", "auto") if k2 is None else k2
     plan = make_plan(parent, engine.capabilities, int(engine.setting("ffn_grid", ffn_points)), k1,
@@ -254,3 +256,119 @@ def expected_settings(engine_cfg: Any) -> dict[str, Any]:
     s = dict(engine_cfg.settings or {})
     keep = ("n_batch", "n_ubatch", "decode_context", "tensor_parallel", "max_num_seqs", "gpu_memory_utilization")
     return {k: s[k] for k in keep if k in s}
+
+
+# -- hybrids (MoE / Mamba / attention / MLP blocks in any order) ---------------------------------
+def hybrid_profile_options(parent: ArchSpec, caps: Any, ffn_points: int) -> list[Any]:
+    """Distinct block options to profile: every option of the hybrid search space
+    (``search.space_hybrid``) and every parent block, MoE blocks as their parts (``table.moe_parts``)."""
+    from autocompress_nemo.arch.spec import MoeBlock
+    from autocompress_nemo.costs.table import moe_parts
+    from autocompress_nemo.search.space import build_space
+
+    out: list[Any] = []
+    for d in build_space(parent, caps, ffn_points):
+        out += [o for o in d.options if not o.removed and o not in out]
+    for b in parent.blocks:
+        for p in (moe_parts(b) if isinstance(b, MoeBlock) else (b,)):
+            if not p.removed and p not in out:
+                out.append(p)
+    return out
+
+
+def build_hybrid_table(engine: Engine, parent: ArchSpec, workload: Workload, *, ffn_points: int = 8,
+                       log: Callable[[str], None] | None = None) -> CostTable:
+    """Cost table of a hybrid parent from short-model differences in the real engine.
+
+    Profiling model of option ``X``: the parent's blocks followed by ``k`` copies of ``X``
+    (``k = engine.settings.profile_copies``, default 3); base = the parent (``k = 0``). The cost
+    of one ``X`` is the slope ``(T(parent + k X) - T(parent)) / k`` per phase.
+
+    MoE blocks are two additive parts (``table.moe_parts``). The routed part ``R`` is profiled as a
+    MoE block without shared expert; a shared width ``S`` as the parent's routed part with shared
+    width ``S``, its cost being ``c(R_p + S) - c(R_p)`` — so a block's norm / residual overhead is
+    counted once, in the routed part. (A block with no routed experts left is then priced without
+    that overhead: a small underestimate.) Intercept = ``T(parent) - sum of the parent's block
+    costs`` (embedding, final norm, LM head, framework overhead); no per-layer overhead term.
+    Workspace is not measured by engines that report none (``compute`` 0).
+    """
+    import dataclasses
+
+    from autocompress_nemo.arch.spec import MoeBlock
+    from autocompress_nemo.costs.table import moe_parts
+
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    k = int(engine.setting("profile_copies", 3))
+    if k < 1:
+        raise ValueError(f"engine.settings.profile_copies={k}: needs at least 1 copy")
+    options = hybrid_profile_options(parent, engine.capabilities, int(engine.setting("ffn_grid", ffn_points)))
+    routed_p = next((moe_parts(b)[0] for b in parent.blocks if isinstance(b, MoeBlock) and not b.removed), None)
+    jobs: list[tuple[str, Any]] = []
+    for o in options:
+        if isinstance(o, MoeBlock) and not o.num_experts:  # shared part: measured on top of the parent's routed part
+            if routed_p is None or routed_p.removed:
+                raise ValueError("profiling a shared expert needs a parent MoE block with routed experts")
+            jobs.append((f"{o.kind}{len(jobs)}", dataclasses.replace(routed_p, shared_ffn=o.shared_ffn)))
+        else:
+            jobs.append((f"{o.kind}{len(jobs)}", o))
+    specs = [parent.replace(name="base")] + [parent.replace(blocks=parent.blocks + (x,) * k, name=n) for n, x in jobs]
+    t_start = time.time()
+    log(f"[profile] hybrid: {len(specs)} profiling models (parent + {k} copies of each of {len(jobs)} block options); "
+        f"engine {engine.name} ({engine.version()}), workload {workload}")
+    done = [0]
+    total = len(specs) * int(engine.setting("rounds", 2))
+
+    def progress(msg: str) -> None:
+        done[0] += 1
+        if done[0] % 10 == 0 or done[0] == total:
+            log(f"[profile {done[0]}/{total}] ~{(time.time() - t_start) / done[0] * (total - done[0]):.0f} s left")
+
+    results = engine.measure_many(specs, workload, log=progress)
+    base = results[0]
+    slope = {n: {p: (getattr(m, p) - getattr(base, p)) / k for p in PHASES} for (n, _), m in zip(jobs, results[1:],
+                                                                                            strict=True)}
+    costs: dict[Any, dict[str, float]] = {}
+    for (n, x), o in zip(jobs, options, strict=True):
+        costs[o] = slope[n]
+    for (n, x), o in zip(jobs, options, strict=True):
+        if isinstance(o, MoeBlock) and not o.num_experts:
+            costs[o] = {p: slope[n][p] - costs[routed_p][p] for p in PHASES}
+    clamped: dict[Any, list[str]] = {}
+    for o, c in costs.items():  # a block cannot save time: a negative difference is timing noise
+        for p in PHASES:
+            if c[p] < 0:
+                clamped.setdefault(o, []).append(f"{p} {c[p]:.4f}")
+                c[p] = 0.0
+    if clamped:
+        log(f"[profile] {len(clamped)} block options measured below 0 (noise: the block costs less than the "
+            "timing spread) were set to 0: " + "; ".join(f"{o}: {', '.join(v)}" for o, v in clamped.items()))
+    blocks = [{"block": o.__dict__, **costs[o], "source": n, **({"clamped_from": clamped[o]} if o in clamped else {})}
+              for (n, _), o in zip(jobs, options, strict=True)]
+
+    def parent_block_cost(b: Any, p: str) -> float:
+        if b.removed:
+            return 0.0
+        return sum(costs[q][p] for q in moe_parts(b) if not q.removed) if isinstance(b, MoeBlock) else costs[b][p]
+
+    intercept = {p: getattr(base, p) - sum(parent_block_cost(b, p) for b in parent.blocks) for p in PHASES}
+    dtype = str(engine.cfg.dtype)
+    norm_dtype = "f32" if engine.name == "llama_cpp" else dtype
+    comp = [m.memory.get("compute", 0.0) for m in results]
+    memory = {"output_bytes": base.memory.get("output", 0.0), "compute_bytes": [],
+              "compute_base_bytes": base.memory.get("compute", 0.0), "compute_range": [min(comp), max(comp)],
+              "weights_overhead_bytes": base.memory.get("weights", 0.0) - weight_bytes(parent, dtype, norm_dtype),
+              "kv_tokens": workload.context_len * workload.batch, "norm_dtype": norm_dtype}
+    runs = [{"name": s.name, "k": 0 if i == 0 else k, "block": None if i == 0 else jobs[i - 1][1].__dict__,
+             "prefill_ms": m.prefill_ms, "decode_ms": m.decode_ms, "memory": m.memory, "raw": m.raw,
+             "spread": m.spread, "wall_s": round(m.wall_s, 3)} for i, (s, m) in enumerate(zip(specs, results, strict=True))]
+    settings = {kk: v for kk, v in dict(engine.cfg.settings or {}).items()}
+    settings.update({"percentile": float(engine.cfg.percentile), "method": "hybrid_append", "copies": k})
+    prov = make_provenance(engine.provenance(), workload.__dict__,
+                           workload.decode_context(str(engine.setting("decode_context", "mean"))),
+                           expected_settings(engine.cfg), parent)
+    prov.update({"profile_models": len(specs), "engine_runs": int(getattr(engine, "runs", len(specs))),
+                 "profile_wall_s": round(time.time() - t_start, 2), "profile": settings})
+    log(f"[profile] hybrid table: {len(blocks)} block options; intercept prefill {intercept['prefill_ms']:.3f} ms, "
+        f"decode {intercept['decode_ms']:.3f} ms; {time.time() - t_start:.0f} s")
+    return CostTable(provenance=prov, parent=parent, intercept=intercept,
+                     layer_overhead={p: 0.0 for p in PHASES}, blocks=blocks, memory=memory, runs=runs)

@@ -32,6 +32,10 @@ def candidates(parent: ArchSpec, caps: Any, n_random: int = 8, seed: int = 0, ff
     ffn widths come from the search's option grid (``ffn_grid``: what the search can return);
     widths between grid points are interpolated by the table but not validated here.
     """
+    if not parent.is_dense_layered():  # MoE / Mamba hybrids: children drawn from the hybrid search space
+        from autocompress_nemo.stages_hybrid import validation_candidates
+
+        return validation_candidates(parent, caps, min(n_random, 6), seed, ffn_points)
     rng = random.Random(seed)
     layers = parent.layers()
     a_p, m_p = layers[0]

@@ -105,10 +105,12 @@ def block_width(b: Block) -> str:
         return f"{b.num_heads}h/{b.num_kv_groups}kv"
     if isinstance(b, MlpBlock):
         return str(b.ffn)
-    if isinstance(b, MoeBlock):
-        return f"{b.num_experts}x{b.expert_ffn}" + (f"+{b.shared_ffn}" if b.shared_ffn else "")
+    if isinstance(b, MoeBlock):  # routed experts x expert width (top-k), shared-expert width
+        routed = f"{b.num_experts} experts x {b.expert_ffn} (top-{b.top_k})" if b.num_experts and b.expert_ffn \
+            else "no routed experts"
+        return f"{routed}, shared {b.shared_ffn}"
     if isinstance(b, MambaBlock):
-        return f"{b.num_heads}h"
+        return f"{b.num_heads} heads/{b.num_groups} groups"
     return "?"
 
 

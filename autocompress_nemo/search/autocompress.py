@@ -150,7 +150,7 @@ def run_router_search(
             "kd": float(kd.detach()),
             "penalty": float(pen.detach()) if torch.is_tensor(pen) else float(pen),
             "entropy": router.entropy(),
-            **{f"expected_{m}": float(exp[m]) for m in budgets},
+            **{f"expected_{m}": float(exp[m].detach()) for m in budgets},
             **{f"budget_{m}": b for m, b in budgets.items()},
         }
         trajectory.append(row)
@@ -158,7 +158,7 @@ def run_router_search(
             log(
                 f"search step {step + 1}/{cfg.steps} kd={row['kd']:.4f} pen={row['penalty']:.4f} "
                 f"H={row['entropy']:.2f} tau={tau:.3f} "
-                + " ".join(f"{m}={float(exp[m]):.4g}/{b:.4g}" for m, b in budgets.items())
+                + " ".join(f"{m}={float(exp[m].detach()):.4g}/{b:.4g}" for m, b in budgets.items())
             )
         if checkpoint and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             st = {"router": router.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),

@@ -2,7 +2,9 @@
 
 ``get_engine(target)`` returns the adapter named by ``target.engine.name``: ``llama_cpp``
 (llama-cpp-python, CPU), ``vllm`` and ``trtllm`` (NVIDIA GPUs; imported only when used)
-and ``roofline`` (analytic; every number it gives is "estimated, not measured").
+``roofline`` (analytic; every number it gives is "estimated, not measured") and ``torch_eager``
+(PyTorch eager / transformers on CPU: a measurement engine for heterogeneous Nemotron-H hybrids,
+which no serving engine here runs; not a production serving engine).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 from autocompress_nemo.costs.engines.base import Engine, Measurement, Workload, capability_problems
 
-ENGINES = ("llama_cpp", "vllm", "trtllm", "roofline")
+ENGINES = ("llama_cpp", "vllm", "trtllm", "roofline", "torch_eager")
 
 
 def get_engine(target: Any, workdir: str | Path | None = None) -> Engine:
@@ -34,6 +36,10 @@ def get_engine(target: Any, workdir: str | Path | None = None) -> Engine:
         from autocompress_nemo.costs.engines.roofline import RooflineEngine
 
         return RooflineEngine(target.engine, target.hardware)
+    if name == "torch_eager":
+        from autocompress_nemo.costs.engines.torch_eager import TorchEagerEngine
+
+        return TorchEagerEngine(target.engine, target.hardware, workdir)
     raise ValueError(f"target.engine.name={name!r} is not a known engine; use one of {ENGINES}")
 
 

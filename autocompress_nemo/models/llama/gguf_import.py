@@ -93,7 +93,7 @@ def _dequantize(t: Any) -> torch.Tensor:
 
     arr = quants.dequantize(t.data, t.tensor_type)
     shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
-    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(shape))
+    return torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))
 
 
 def load_gguf(path: str | os.PathLike[str], tokenizer: bool = True) -> tuple[ArchSpec, dict[str, torch.Tensor], Any]:

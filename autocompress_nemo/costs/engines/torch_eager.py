@@ -1,0 +1,321 @@
+"""PyTorch eager (transformers) on CPU: a *measurement* engine for heterogeneous hybrids.
+
+**Not a production serving engine.** It exists because no serving engine on this CPU runs
+Nemotron-H hybrids with per-block shapes: llama.cpp's ``deci`` architecture is Llama-only,
+and its ``nemotron_h`` / ``nemotron_h_moe`` architectures (present in llama-cpp-python 0.3.36)
+read one global expert count, expert width and shared-expert width (``expert_count``,
+``expert_feed_forward_length``, ``expert_shared_feed_forward_length`` are scalars; the expert
+tensors are shaped ``[n_embd, n_ff_exp, n_expert]`` with the global values), so per-block
+expert counts or widths do not load. Every number this engine produces is labelled
+"PyTorch eager (transformers) on CPU" (``version()``, ``provenance()['serving']``).
+
+Model: transformers' own ``NemotronHForCausalLM`` (uniform config from
+``models.nemotron_h.hf_config_from_spec``); every block whose shape differs from the global
+config is rebuilt as ``NemotronHBlock`` from a copy of the config with that block's fields
+(experts, top-k, expert / shared width, latent, Mamba heads and groups, attention heads, MLP
+width) — the per-layer route vLLM takes for the Puzzle format. Removed blocks are dropped and
+routed-expert-free MoE blocks become MLPs (``nemotron_h.hf_io.compact_state_dict``); a MoE block
+without a shared expert gets a zero module in place of transformers' fallback width. Mamba uses
+transformers' pure-PyTorch ops (the mamba-ssm / Hub kernels need CUDA), attention ``sdpa``.
+
+Timing (``torch.set_num_threads(threads)`` for the measurement, restored afterwards):
+
+- prefill: a fresh cache, one forward of ``batch x input_len`` random tokens (logits of the last
+  token only); one warm-up, then ``repeats`` timed runs.
+- decode: prefill to the decode context ``C`` once, then repeatedly forward one token per
+  sequence and drop it from the attention KV cache again, so every timed step sees ``C`` cached
+  tokens (the Mamba conv / SSM state advances, but its size is constant in context);
+  ``decode_warmup`` steps, then ``decode_steps`` timed ones.
+- clock: thread CPU time at one thread (PyTorch computes on the calling thread; other
+  processes on the shared cores do not count), wall time otherwise (``settings.clock``);
+  both are kept (``*_wall_ms``). Statistic: the ``percentile``-th percentile (default 10th).
+- several models: interleaved rounds, as the llama.cpp adapter does.
+
+Memory by part (``Measurement.memory``), with what is counted and what is measured:
+
+- ``weights``: measured — bytes of the instantiated parameters (sum of numel x element size);
+- ``kv``: counted — ``2 * G * d * C_ctx * B * b(kv)`` over attention blocks at ``context_len``
+  (transformers grows its cache per step; no preallocation). The bytes of the real cache
+  tensors at the decode context are recorded as ``raw['memory_kv_at_decode_context']``;
+- ``state``: measured — bytes of the conv + SSM state tensors in the cache after prefill;
+- ``output``: counted — logits of one token per sequence, ``V * B * 4``;
+- ``compute``: 0 — eager PyTorch allocates activations per op; the workspace is not measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.costs.engines.base import Engine, Measurement, Workload, robust, spread
+
+LABEL = "PyTorch eager (transformers) on CPU — a measurement engine, not a production serving engine"
+_MAMBA_OPS = ("mamba2_chunk_scan", "causal_conv1d_fn", "mamba2_split_conv1d_scan_combined", "causal_conv1d_update",
+              "mamba2_selective_state_update")
+
+
+@contextlib.contextmanager
+def torch_mamba_ops() -> Iterator[Any]:
+    """transformers' NemotronH module with its pure-PyTorch Mamba ops (restored on exit)."""
+    import transformers.models.nemotron_h.modeling_nemotron_h as mn
+
+    saved = {f: getattr(mn, f) for f in _MAMBA_OPS if hasattr(mn, f)}
+    try:
+        for f, fn in saved.items():
+            setattr(mn, f, getattr(fn, "__wrapped__", fn))
+        yield mn
+    finally:
+        for f, fn in saved.items():
+            setattr(mn, f, fn)
+
+
+class _Zero(torch.nn.Module):
+    """A MoE block's missing shared expert (adds nothing)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+
+def _block_fields(b: Any) -> dict[str, Any]:
+    """The config fields a block of this shape needs in its own layer config."""
+    if isinstance(b, MoeBlock):
+        return {"n_routed_experts": b.num_experts, "num_experts_per_tok": b.top_k, "moe_intermediate_size": b.expert_ffn,
+                "moe_shared_expert_intermediate_size": b.shared_ffn, "moe_latent_size": b.latent or None}
+    if isinstance(b, MlpBlock):
+        return {"intermediate_size": b.ffn}
+    if isinstance(b, MambaBlock):
+        return {"mamba_num_heads": b.num_heads, "n_groups": b.num_groups, "ssm_state_size": b.state_size,
+                "mamba_head_dim": b.head_dim}
+    assert isinstance(b, AttentionBlock)
+    return {"num_attention_heads": b.num_heads, "num_key_value_heads": b.num_kv_groups, "head_dim": b.head_dim}
+
+
+def hf_eager_model(spec: ArchSpec, sd: dict[str, torch.Tensor], mn: Any, attn: str = "sdpa",
+                   dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """transformers ``NemotronHForCausalLM`` of ``spec`` (any per-block shapes) holding ``sd``
+    (Nemotron-H-named, ``models/hybrid/names.py``). ``mn``: the modeling module (``torch_mamba_ops``)."""
+    from autocompress_nemo.models.nemotron_h.config import hf_config_from_spec
+    from autocompress_nemo.models.nemotron_h.hf_io import compact_state_dict
+
+    cspec, csd = compact_state_dict(spec, sd)
+    cfg = hf_config_from_spec(cspec)
+    for k in ("block_configs", "architectures", "model_type", "mtp_block_configs", "num_nextn_predict_layers"):
+        cfg.pop(k, None)
+    config = mn.NemotronHConfig(**cfg)
+    config._attn_implementation = attn
+    model = mn.NemotronHForCausalLM(config)
+    for i, b in enumerate(cspec.blocks):
+        fields = {k: v for k, v in _block_fields(b).items() if getattr(config, k, None) != v}
+        if fields:
+            lc = copy.deepcopy(config)
+            for k, v in fields.items():
+                setattr(lc, k, v)
+            model.model.layers[i] = mn.NemotronHBlock(lc, i)
+        if isinstance(b, MoeBlock) and b.shared_ffn == 0:
+            model.model.layers[i].mixer.shared_experts = _Zero()
+    state: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for k, v in csd.items():
+        k = k.replace("backbone.", "model.", 1)
+        parts = k.split(".")
+        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():  # one tensor per expert -> [E, out, in]
+            j = parts.index("experts")
+            experts.setdefault(".".join(parts[: j + 1] + [parts[j + 2]]), {})[int(parts[j + 1])] = v
+        else:
+            state[k] = v
+    state.update({k: torch.stack([d[e] for e in sorted(d)]) for k, d in experts.items()})
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.endswith("e_score_correction_bias")
+               and not (cspec.tied_embeddings and m.endswith("lm_head.weight"))]
+    empty = {n for n, p in model.named_parameters() if p.numel() == 0}
+    if unexpected or set(missing) - empty:
+        raise RuntimeError(f"torch_eager: weights do not fit the transformers model: missing {missing}, "
+                           f"unexpected {unexpected}")
+    return model.to(dtype).eval()
+
+
+def _cache_bytes(cache: Any) -> tuple[float, float]:
+    """(attention KV bytes, Mamba conv + SSM state bytes) of the tensors held by a transformers cache."""
+    from transformers.cache_utils import DynamicLayer
+
+    kv = st = 0.0
+    for layer in getattr(cache, "layers", []):
+        ts = [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+        for v in vars(layer).values():
+            if isinstance(v, dict):
+                v = list(v.values())
+            if isinstance(v, (list, tuple)):
+                ts += [t for t in v if isinstance(t, torch.Tensor)]
+        n = float(sum(t.numel() * t.element_size() for t in ts))
+        if isinstance(layer, DynamicLayer):
+            kv += n
+        else:
+            st += n
+    return kv, st
+
+
+class TorchEagerEngine(Engine):
+    name = "torch_eager"
+
+    def __init__(self, cfg: Any, hardware: Any = None, workdir: Any = None) -> None:
+        super().__init__(cfg, hardware)
+        self.runs = 0
+
+    def version(self) -> str:
+        import transformers
+
+        return f"PyTorch eager {torch.__version__.split('+')[0]} / transformers {transformers.__version__} (CPU)"
+
+    def threads(self) -> int:
+        t = int(getattr(self.cfg, "threads", 0) or 0)
+        if not t and self.hardware is not None:
+            t = int(getattr(self.hardware, "threads", 0) or 0)
+        return t or (os.cpu_count() or 1)
+
+    def clock(self) -> str:
+        c = str(self.setting("clock", "auto"))
+        if c == "auto":
+            return "thread_cpu" if self.threads() == 1 else "wall"
+        if c not in ("wall", "thread_cpu"):
+            raise ValueError(f"engine.settings.clock={c!r}: use auto, wall or thread_cpu")
+        return c
+
+    def provenance(self) -> dict[str, Any]:
+        p = super().provenance()
+        p.update(threads=self.threads(), clock=self.clock(), serving=LABEL)
+        return p
+
+    def check_servable(self, spec: ArchSpec, parent: ArchSpec | None = None) -> list[str]:
+        out = super().check_servable(spec, parent)
+        if spec.family != "nemotron_h":
+            out.append(f"torch_eager serves Nemotron-H hybrids (transformers NemotronHForCausalLM), got family "
+                       f"{spec.family!r}")
+        acts = {b.activation for b in spec.blocks if isinstance(b, (MlpBlock, MoeBlock)) and not b.removed}
+        if acts - {"relu2"}:
+            out.append(f"Nemotron-H MLPs / experts are relu2, got {sorted(acts)}")
+        return out
+
+    def _dtype(self) -> torch.dtype:
+        d = str(self.cfg.dtype)
+        table = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+        if d not in table:
+            raise ValueError(f"engine.dtype={d!r}: torch_eager runs f32, bf16 or f16")
+        return table[d]
+
+    # -- measurement --------------------------------------------------------------------------
+    def measure(self, spec: ArchSpec, workload: Workload, weights: dict[str, Any] | None = None) -> Measurement:
+        return self.measure_many([spec], workload, weights=[weights], rounds=1)[0]
+
+    def measure_many(self, specs: list[ArchSpec], workload: Workload, *, rounds: int | None = None,
+                     weights: list[dict[str, Any] | None] | None = None, timing: bool = True,
+                     log: Any = None) -> list[Measurement]:
+        """Measure several models in interleaved rounds (see the module docstring)."""
+        from autocompress_nemo.models.hybrid.state_dict import random_hf_state_dict
+
+        rounds = int(rounds or self.setting("rounds", 2))
+        weights = weights or [None] * len(specs)
+        for s in specs:
+            self.require_servable(s)
+        per_round_p = max(1, -(-int(getattr(self.cfg, "repeats", 5)) // rounds))
+        per_round_d = max(4, -(-int(self.setting("decode_steps", 60)) // rounds))
+        raws: list[dict[str, list[float]]] = [{} for _ in specs]
+        mems: list[dict[str, float]] = [{} for _ in specs]
+        walls = [0.0] * len(specs)
+        old_threads = torch.get_num_threads()
+        torch.set_num_threads(self.threads())
+        try:
+            with torch_mamba_ops() as mn, torch.inference_mode():
+                for r in range(rounds):
+                    order = list(range(len(specs)))[:: -1 if r % 2 else 1]
+                    for i in order:
+                        if log and rounds > 1:
+                            log(f"    round {r + 1}/{rounds}: {specs[i].name}")
+                        t = time.time()
+                        sd = weights[i]
+                        if sd is None:
+                            sd = random_hf_state_dict(specs[i], seed=0)
+                        sd = {k: torch.as_tensor(v) for k, v in sd.items()}
+                        model = hf_eager_model(specs[i], sd, mn, str(self.setting("attn_implementation", "sdpa")),
+                                               self._dtype())
+                        mem, raw = self._run(model, specs[i], workload, timing, per_round_p, per_round_d)
+                        del model
+                        walls[i] += time.time() - t
+                        mems[i] = mems[i] or mem
+                        for k, v in raw.items():
+                            raws[i].setdefault(k, []).extend(v)
+                        self.runs += 1
+        finally:
+            torch.set_num_threads(old_threads)
+        pct = float(getattr(self.cfg, "percentile", 10.0))
+        out = []
+        for i in range(len(specs)):
+            raw = raws[i] if timing else {}
+            timed = {k: v for k, v in raw.items() if k.endswith("_ms")}
+            mem = {k: mems[i].get(k, 0.0) for k in ("weights", "kv", "state", "compute", "output")}
+            extra = {f"memory_{k}": [v] for k, v in mems[i].items() if k not in mem}
+            out.append(Measurement(
+                prefill_ms=robust(raw["prefill_ms"], pct) if raw else float("nan"),
+                decode_ms=robust(raw["decode_ms"], pct) if raw else float("nan"),
+                memory=mem, raw={**raw, **extra}, spread={k: spread(v) for k, v in timed.items()}, wall_s=walls[i]))
+        return out
+
+    def _run(self, model: torch.nn.Module, spec: ArchSpec, wl: Workload, timing: bool, repeats: int,
+             steps: int) -> tuple[dict[str, float], dict[str, list[float]]]:
+        from transformers.cache_utils import DynamicLayer
+
+        from autocompress_nemo.costs import memory as cmem
+
+        g = torch.Generator().manual_seed(0)
+        cpu_clock = self.clock() == "thread_cpu"
+        wall: dict[str, list[float]] = {"prefill_ms": [], "decode_ms": []}
+
+        def fwd(ids: torch.Tensor, cache: Any, key: str | None) -> tuple[float, Any]:
+            c, t = time.thread_time(), time.perf_counter()
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            dt, dc = (time.perf_counter() - t) * 1e3, (time.thread_time() - c) * 1e3
+            if key:
+                wall[key].append(dt)
+            return (dc if cpu_clock else dt), out.past_key_values
+
+        def toks(n: int) -> torch.Tensor:
+            return torch.randint(0, spec.vocab, (wl.batch, n), generator=g)
+
+        weights = float(sum(p.numel() * p.element_size() for p in model.parameters()))
+        prefill: list[float] = []
+        decode: list[float] = []
+        c = wl.decode_context(str(self.setting("decode_context", "mean")))
+        _, cache = fwd(toks(c), None, None)
+        _, state = _cache_bytes(cache)
+        if timing:
+            for r in range(repeats + 1):
+                dt, _ = fwd(toks(wl.input_len), None, "prefill_ms" if r else None)
+                if r:
+                    prefill.append(dt)
+            warm = int(self.setting("decode_warmup", 4))
+            for step in range(steps + warm):
+                dt, cache = fwd(toks(1), cache, "decode_ms" if step >= warm else None)
+                for layer in cache.layers:
+                    if isinstance(layer, DynamicLayer) and layer.is_initialized:
+                        layer.crop(-1)
+                if step >= warm:
+                    decode.append(dt)
+        kv_at_c, _ = _cache_bytes(cache)
+        memory = {
+            "weights": weights,
+            "kv": cmem.kv_cache_bytes(spec, wl.context_len, wl.batch, str(getattr(self.cfg, "kv_dtype", "f32"))),
+            "state": state,
+            "compute": 0.0,
+            "output": float(cmem.output_buffer_bytes(spec.vocab, wl.batch)),
+            "kv_at_decode_context": kv_at_c,
+        }
+        raw = {"prefill_ms": prefill, "decode_ms": decode, "prefill_wall_ms": wall["prefill_ms"],
+               "decode_wall_ms": wall["decode_ms"]} if timing else {}
+        return memory, raw
