@@ -57,9 +57,15 @@ def run_pipeline(cfg: DictConfig) -> dict[str, Any]:
         if not wanted & {"search", "extract", "distill", "evaluate", "export"}:
             break
         inputs = [ranked, prof] + ([validation] if validation else [])
-        arch = run.stage(f"search_{m}", lambda d, m=m: stages.search(ctx, d, m, ranked, table, vdir,
-                                                                      run.ckpt_dir(f"search_{m}")),
-                         ("target", "search", "seed"), inputs)
+        try:
+            arch = run.stage(f"search_{m}", lambda d, m=m: stages.search(ctx, d, m, ranked, table, vdir,
+                                                                          run.ckpt_dir(f"search_{m}")),
+                             ("target", "search", "seed"), inputs)
+        except ValueError as e:
+            if m == str(cfg.search.method):
+                raise
+            run.say(f"[search_{m}] baseline not run: {e}")  # e.g. no uniform architecture meets the budget
+            continue
         student = run.stage(f"extract_{m}", lambda d, a=arch: stages.extract(ctx, d, ranked, a), (), [ranked, arch])
         extracted[m] = student
         if wanted & {"distill", "evaluate", "export"} and "distill" in wanted:

@@ -198,6 +198,8 @@ class TorchEagerEngine(Engine):
         if spec.family != "nemotron_h":
             out.append(f"torch_eager serves Nemotron-H hybrids (transformers NemotronHForCausalLM), got family "
                        f"{spec.family!r}")
+        if not any(isinstance(b, AttentionBlock) and not b.removed for b in spec.blocks):
+            out.append("no attention block left: transformers' NemotronH cache needs one (get_seq_length)")
         acts = {b.activation for b in spec.blocks if isinstance(b, (MlpBlock, MoeBlock)) and not b.removed}
         if acts - {"relu2"}:
             out.append(f"Nemotron-H MLPs / experts are relu2, got {sorted(acts)}")
@@ -277,9 +279,10 @@ class TorchEagerEngine(Engine):
         cpu_clock = self.clock() == "thread_cpu"
         wall: dict[str, list[float]] = {"prefill_ms": [], "decode_ms": []}
 
-        def fwd(ids: torch.Tensor, cache: Any, key: str | None) -> tuple[float, Any]:
+        def fwd(ids: torch.Tensor, cache: Any, key: str | None, past: int = 0) -> tuple[float, Any]:
+            pos = torch.arange(past, past + ids.shape[1])  # given: a model without attention has no KV length
             c, t = time.thread_time(), time.perf_counter()
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, position_ids=pos[None].expand(ids.shape[0], -1))
             dt, dc = (time.perf_counter() - t) * 1e3, (time.thread_time() - c) * 1e3
             if key:
                 wall[key].append(dt)
@@ -301,7 +304,7 @@ class TorchEagerEngine(Engine):
                     prefill.append(dt)
             warm = int(self.setting("decode_warmup", 4))
             for step in range(steps + warm):
-                dt, cache = fwd(toks(1), cache, "decode_ms" if step >= warm else None)
+                dt, cache = fwd(toks(1), cache, "decode_ms" if step >= warm else None, past=c)
                 for layer in cache.layers:
                     if isinstance(layer, DynamicLayer) and layer.is_initialized:
                         layer.crop(-1)
