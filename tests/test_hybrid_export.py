@@ -65,3 +65,17 @@ def test_uniform_export_is_plain_nemotron_h(megatron_tp1, tmp_path):
             cfg["mamba_num_heads"], cfg["intermediate_size"]) == ("M*EME-", 4, 64, 4, 128)
     spec2, sd2, _ = load_hf(out, tokenizer=False)
     assert spec2.blocks == spec.blocks and all(torch.equal(sd2[k], sd[k]) for k in sd)
+
+
+def test_puzzle_config_keeps_per_block_mamba_groups() -> None:
+    """A Mamba block shrunk by whole groups round-trips through the Puzzle config (n_groups per block)."""
+    from autocompress_nemo.arch.from_config import spec_from_model_config
+    from autocompress_nemo.arch.spec import MambaBlock
+    from autocompress_nemo.config.entry import compose
+    from autocompress_nemo.models.nemotron_h.config import hf_config_from_spec, spec_from_hf_config
+
+    spec = spec_from_model_config(compose(["model=tiny_hybrid"]).model)
+    i = next(i for i, b in enumerate(spec.blocks) if b.kind == "mamba")
+    b = spec.blocks[i]
+    child = spec.replace_block(i, MambaBlock(b.num_heads // b.num_groups, b.head_dim, b.state_size, 1, b.conv_kernel))
+    assert spec_from_hf_config(hf_config_from_spec(child)).blocks[i] == child.blocks[i]

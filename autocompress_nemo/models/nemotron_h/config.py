@@ -110,7 +110,7 @@ def _block_config(b: Block, cfg: dict[str, Any]) -> dict[str, Any]:
         return {"block_type": "mlp", "intermediate_size": b.ffn}
     if isinstance(b, MambaBlock):
         d: dict[str, Any] = {"block_type": "mamba"}
-        for key, v in (("mamba_num_heads", b.num_heads), ("ssm_state_size", b.state_size)):
+        for key, v in (("mamba_num_heads", b.num_heads), ("ssm_state_size", b.state_size), ("n_groups", b.num_groups)):
             if v != cfg.get(key):
                 d[key] = v
         return d
