@@ -328,7 +328,7 @@ class EvaluateConfig:
     offline (a local ``lm_eval_include`` directory)."""
     lm_eval_include: str = ""
     """A directory of extra lm-eval task YAMLs."""
-    lm_eval_items: int = 100
+    lm_eval_items: int = 60
     """Items of the generated ``stdlib_next_line`` task."""
     lm_eval_limit: int = 0
     """Cap on items per task (0 = all)."""
