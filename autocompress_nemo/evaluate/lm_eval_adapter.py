@@ -76,8 +76,10 @@ class TorchLM(LM):
 
     # -- scoring core -------------------------------------------------------------------------
     @torch.no_grad()
-    def _logprobs(self, seqs: list[list[int]]) -> list[torch.Tensor]:
-        """Log-softmax ``[T_i, V]`` for each token sequence (right-padded batches)."""
+    def _logprobs(self, seqs: list[list[int]], tails: list[int] | None = None) -> list[torch.Tensor]:
+        """Log-softmax ``[T_i, V]`` for each token sequence (right-padded batches); with ``tails``
+        only the last ``tails[i]`` positions of each (what a continuation needs: the softmax over
+        the vocabulary is the costly part)."""
         self.model.eval()
         out: list[torch.Tensor] = []
         for i in range(0, len(seqs), self.batch_size):
@@ -86,8 +88,10 @@ class TorchLM(LM):
             ids_BT = torch.full((len(chunk), T), self.pad_token_id, dtype=torch.long)
             for b, s in enumerate(chunk):
                 ids_BT[b, : len(s)] = torch.tensor(s, dtype=torch.long)
-            logp_BTV = F.log_softmax(self.forward(self.model, ids_BT).float(), dim=-1).cpu()
-            out.extend(logp_BTV[b, : len(s)] for b, s in enumerate(chunk))
+            logits_BTV = self.forward(self.model, ids_BT)
+            for b, s in enumerate(chunk):
+                keep = len(s) if tails is None else min(tails[i + b], len(s))
+                out.append(F.log_softmax(logits_BTV[b, len(s) - keep : len(s)].float(), dim=-1).cpu())
         return out
 
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
@@ -101,7 +105,7 @@ class TorchLM(LM):
             full = (ctx + cont)[-(self.max_length + 1):]  # left-truncate the context
             seqs.append(full[:-1])  # row j of the log-probs predicts full[j + 1]
         results = []
-        for (_ctx, cont), logp_TV in zip(pairs, self._logprobs(seqs), strict=True):
+        for (_ctx, cont), logp_TV in zip(pairs, self._logprobs(seqs, [len(c) for _, c in pairs]), strict=True):
             n = len(cont)
             tail_TV = logp_TV[-n:]
             target = torch.tensor(cont, dtype=torch.long)
