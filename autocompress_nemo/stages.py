@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from autocompress_nemo.arch.counts import param_count
 from autocompress_nemo import stages_hybrid
+from autocompress_nemo.arch.counts import param_count
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.context import Context, load_weights, read_json, save_weights
 from autocompress_nemo.utils.artifacts import write_json_atomic
@@ -92,31 +92,44 @@ class _Costs:
 def search(ctx: Context, out: Path, method: str, rank_dir: Path, table_path: Path, validation_dir: Path | None,
            ckpt_dir: Path) -> None:
     """Choose the architecture (``arch.json``) with the router or the Minitron++ enumeration."""
-    from autocompress_nemo.extract.archjson import arch_record
-    from autocompress_nemo.extract.repair import grow, option_importance, repair
-    from autocompress_nemo.profile.stage import load_table
-    from autocompress_nemo.costs.predictor import Predictor
+    from autocompress_nemo.extract.repair import option_importance
     from autocompress_nemo.rank.reorder import sorted_importance
+
+    if not ctx.parent[0].is_dense_layered():  # MoE / Mamba hybrids: their importance per option
+        return stages_hybrid.search(ctx, out, method, rank_dir, table_path, validation_dir, ckpt_dir)
+    spec, sd, imp, perms = sorted_parent(rank_dir)
+    search_core(ctx, out, method, spec, sd, lambda ds: option_importance(ds, sorted_importance(imp, perms)),
+                table_path, validation_dir, ckpt_dir, describe=lambda a: a.pattern)
+
+
+def search_core(ctx: Context, out: Path, method: str, spec: ArchSpec, sd: dict[str, torch.Tensor],
+                option_importance: Any, table_path: Path, validation_dir: Path | None, ckpt_dir: Path,
+                describe: Any) -> None:
+    """The search of every model family: budgets, space, router or Minitron++, repair/grow, ``arch.json``.
+
+    ``option_importance(decisions)`` gives the importance kept by every option (for repair/grow);
+    ``describe(spec)`` a one-line shape for the log."""
+    from autocompress_nemo.costs.predictor import Predictor
+    from autocompress_nemo.extract.archjson import arch_record
+    from autocompress_nemo.extract.repair import grow, repair
+    from autocompress_nemo.profile.stage import load_table
     from autocompress_nemo.search.autocompress import SearchOutcome, check_budget_reachable, run_router_search
     from autocompress_nemo.search.minitron import run_minitron_pp
     from autocompress_nemo.search.space import apply_choices, build_space
 
-    if not ctx.parent[0].is_dense_layered():  # MoE / Mamba hybrids
-        return stages_hybrid.search(ctx, out, method, rank_dir, table_path, validation_dir, ckpt_dir)
     cfg, s = ctx.cfg, ctx.cfg.search
-    spec, sd, imp, perms = sorted_parent(rank_dir)
     predictor = Predictor(load_table(cfg, table_path), cfg.target)
     budget, how = budgets(ctx, predictor, spec, validation_dir)
     costs = _Costs(predictor, tuple(budget))
     decisions = build_space(spec, cfg.target.engine.capabilities, int(s.ffn_options))
-    ctx.say(f"[search:{method}] budgets {budget} (relative ones against the {how} parent); "
-            f"{len(decisions)} decisions, {sum(len(d.options) for d in decisions)} options")
+    ctx.say(f"[search:{method}] {describe(spec)}: budgets {budget} (relative ones against the {how} parent); "
+            f"{len(decisions)} decisions ({', '.join(sorted({d.kind for d in decisions}))}), "
+            f"{sum(len(d.options) for d in decisions)} options")
     verdict = check_budget_reachable(spec, decisions, costs, budget)
-    parent_choices = [d.parent_option for d in decisions]
     if verdict == "parent":
         ctx.say(f"[search:{method}] the parent already meets every budget: returning the parent")
-        outcome = SearchOutcome(parent_choices, [[float(k == d.parent_option) for k in range(len(d.options))]
-                                                 for d in decisions])
+        outcome = SearchOutcome([d.parent_option for d in decisions],
+                                [[float(k == d.parent_option) for k in range(len(d.options))] for d in decisions])
     else:
         model = ctx.model(spec, sd)
         seq, bs = int(s.seq_len), int(s.batch_size)
@@ -131,7 +144,7 @@ def search(ctx: Context, out: Path, method: str, rank_dir: Path, table_path: Pat
         else:
             outcome = run_minitron_pp(model, spec, decisions, costs, budget, batch_at, ctx.forward, s, log=ctx.say,
                                       fresh_model=lambda: ctx.model(spec, sd))
-    imps = option_importance(decisions, sorted_importance(imp, perms))
+    imps = option_importance(decisions)
     final, r_steps = repair(spec, decisions, outcome.choices, costs.predict, budget, imps, log=ctx.say)
     g_steps = 0
     if method == "autocompress" and verdict != "parent":
@@ -140,13 +153,11 @@ def search(ctx: Context, out: Path, method: str, rank_dir: Path, table_path: Pat
     pred = predictor.predict(child)
     rec = arch_record(method, spec, child, decisions, outcome.probs, outcome.choices, final, pred,
                       predictor.predict(spec), budget, outcome.tokens, r_steps, g_steps, predictor.table.label)
-    rec["budget_reference"] = how
-    rec["params"] = param_count(child)
-    rec["search_wall_s"] = round(outcome.wall_s, 2)
+    rec.update(budget_reference=how, params=param_count(child), search_wall_s=round(outcome.wall_s, 2))
     write_json_atomic(out / "arch.json", rec)
     write_json_atomic(out / "trajectory.json", outcome.trajectory)
     _plot_trajectory(outcome.trajectory, out / "trajectory.png", method)
-    ctx.say(f"[search:{method}] chose {child.pattern} params {param_count(child):,} predicted "
+    ctx.say(f"[search:{method}] chose {describe(child)} params {param_count(child):,} predicted "
             + ", ".join(f"{m}={pred[m]:.4g}/{b:.4g}" for m, b in budget.items()))
 
 

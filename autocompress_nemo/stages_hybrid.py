@@ -49,8 +49,12 @@ def _imp_from_dict(d: dict[str, Any]) -> Any:
 # -- rank -------------------------------------------------------------------------------------------
 def rank(ctx: Context, out: Path) -> None:
     """Expert / expert-neuron / shared-neuron / Mamba-head importance, the permutations, the sorted parent."""
-    from autocompress_nemo.rank.moe_mamba import (apply_moe_mamba_permutations, collect_moe_mamba_importance,
-                                                  permutations_from_scores, sorted_scores)
+    from autocompress_nemo.rank.moe_mamba import (
+        apply_moe_mamba_permutations,
+        collect_moe_mamba_importance,
+        permutations_from_scores,
+        sorted_scores,
+    )
 
     spec, sd, _ = ctx.parent
     s = ctx.cfg.search
@@ -116,60 +120,13 @@ def _frac(o: Any, p: Any) -> float:
 # -- search -------------------------------------------------------------------------------------------
 def search(ctx: Context, out: Path, method: str, rank_dir: Path, table_path: Path, validation_dir: Path | None,
            ckpt_dir: Path) -> None:
-    """``stages.search`` for hybrids: the same router / Minitron++ calls with the hybrid importance."""
+    """``stages.search`` for hybrids: the shared search core with the hybrid importance per option."""
     from autocompress_nemo import stages
-    from autocompress_nemo.costs.predictor import Predictor
-    from autocompress_nemo.extract.archjson import arch_record
-    from autocompress_nemo.extract.repair import grow, repair
-    from autocompress_nemo.profile.stage import load_table
-    from autocompress_nemo.search.autocompress import SearchOutcome, check_budget_reachable, run_router_search
-    from autocompress_nemo.search.minitron import run_minitron_pp
-    from autocompress_nemo.search.space import apply_choices, build_space
 
-    cfg, s = ctx.cfg, ctx.cfg.search
     spec, sd = load_weights(rank_dir)
     imp = _imp_from_dict(read_json(rank_dir / "sorted_scores.json"))
-    predictor = Predictor(load_table(cfg, table_path), cfg.target)
-    budget, how = stages.budgets(ctx, predictor, spec, validation_dir)
-    costs = stages._Costs(predictor, tuple(budget))
-    decisions = build_space(spec, cfg.target.engine.capabilities, int(s.ffn_options))
-    ctx.say(f"[search:{method}] hybrid {spec.pattern}: budgets {budget} (relative ones against the {how} parent); "
-            f"{len(decisions)} decisions ({', '.join(sorted({d.kind for d in decisions}))}), "
-            f"{sum(len(d.options) for d in decisions)} options")
-    verdict = check_budget_reachable(spec, decisions, costs, budget)
-    if verdict == "parent":
-        ctx.say(f"[search:{method}] the parent already meets every budget: returning the parent")
-        outcome = SearchOutcome([d.parent_option for d in decisions],
-                                [[float(k == d.parent_option) for k in range(len(d.options))] for d in decisions])
-    else:
-        model = ctx.model(spec, sd)
-        seq, bs = int(s.seq_len), int(s.batch_size)
-
-        def batch_at(step: int) -> torch.Tensor:
-            return ctx.batch_at("train", step, bs, seq, seed_offset=17)
-
-        if method == "autocompress":
-            outcome = run_router_search(model, spec, decisions, costs, budget, batch_at, ctx.forward, s,
-                                        seed=int(cfg.seed), checkpoint=str(ckpt_dir / "router.pt"), log=ctx.say,
-                                        router_init=str(s.get("router_init", "uniform")))
-        else:
-            outcome = run_minitron_pp(model, spec, decisions, costs, budget, batch_at, ctx.forward, s, log=ctx.say,
-                                      fresh_model=lambda: ctx.model(spec, sd))
-    imps = option_importance(decisions, imp, spec)
-    final, r_steps = repair(spec, decisions, outcome.choices, costs.predict, budget, imps, log=ctx.say)
-    g_steps = 0
-    if method == "autocompress" and verdict != "parent":
-        final, g_steps = grow(spec, decisions, final, costs.predict, budget, imps, float(s.grow_threshold), log=ctx.say)
-    child = apply_choices(spec, decisions, final).replace(name=f"{spec.name}-{method}")
-    pred = predictor.predict(child)
-    rec = arch_record(method, spec, child, decisions, outcome.probs, outcome.choices, final, pred,
-                      predictor.predict(spec), budget, outcome.tokens, r_steps, g_steps, predictor.table.label)
-    rec.update(budget_reference=how, params=param_count(child), search_wall_s=round(outcome.wall_s, 2))
-    write_json_atomic(out / "arch.json", rec)
-    write_json_atomic(out / "trajectory.json", outcome.trajectory)
-    stages._plot_trajectory(outcome.trajectory, out / "trajectory.png", method)
-    ctx.say(f"[search:{method}] chose {describe(child)}; params {param_count(child):,}; predicted "
-            + ", ".join(f"{m}={pred[m]:.4g}/{b:.4g}" for m, b in budget.items()))
+    stages.search_core(ctx, out, method, spec, sd, lambda ds: option_importance(ds, imp, spec), table_path,
+                       validation_dir, ckpt_dir, describe=describe)
 
 
 def describe(spec: ArchSpec) -> str:
