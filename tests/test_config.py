@@ -265,7 +265,7 @@ def test_tp_not_dividing_experts_and_serving_tp():
 def test_engine_cannot_serve_block_kinds():
     msg = _error(["+target=cpu_chat", "model=qwen3_30b_a3b", "dry_run=true"])
     assert "engine llama_cpp (target cpu_chat) cannot serve moe blocks" in msg
-    assert "Engines that can: roofline, trtllm, vllm" in msg
+    assert "Engines that can: roofline, torch_eager_cpu, trtllm, vllm" in msg
 
 
 def test_gpu_engine_on_cpu_and_unknown_schema_key():
