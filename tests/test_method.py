@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from autocompress_nemo.arch.counts import param_count
-from autocompress_nemo.distributed import init_distributed, teardown
 from autocompress_nemo.extract.repair import option_importance, repair
 from autocompress_nemo.extract.slice import slice_state_dict
 from autocompress_nemo.models.builder import forward_logits
@@ -19,12 +18,12 @@ from autocompress_nemo.search.supernet import Supernet
 from tests.method_utils import CAPS, ParamCost, megatron_from_hf, tiny_parent
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _dist():
-    torch.set_num_threads(1)
-    init_distributed(tp=1)
+@pytest.fixture(autouse=True)
+def _dist(megatron_tp1):
+    from autocompress_nemo.distributed import init_distributed
+
+    init_distributed(tp=1)  # idempotent; the same seed for every test
     yield
-    teardown()
 
 
 def _batches(vocab: int, n: int, seed: int = 0) -> list[torch.Tensor]:
