@@ -328,9 +328,9 @@ def build_hybrid_table(engine: Engine, parent: ArchSpec, workload: Workload, *, 
     slope = {n: {p: (getattr(m, p) - getattr(base, p)) / k for p in PHASES} for (n, _), m in zip(jobs, results[1:],
                                                                                             strict=True)}
     costs: dict[Any, dict[str, float]] = {}
-    for (n, x), o in zip(jobs, options, strict=True):
+    for (n, _x), o in zip(jobs, options, strict=True):
         costs[o] = slope[n]
-    for (n, x), o in zip(jobs, options, strict=True):
+    for (n, _x), o in zip(jobs, options, strict=True):
         if isinstance(o, MoeBlock) and not o.num_experts:
             costs[o] = {p: slope[n][p] - costs[routed_p][p] for p in PHASES}
     clamped: dict[Any, list[str]] = {}

@@ -48,7 +48,7 @@ def slice_state_dict(parent: ArchSpec, sorted_sd: dict[str, torch.Tensor], child
         if name in sorted_sd:
             out[name] = sorted_sd[name][:, :hk].clone()
     out["model.norm.weight"] = sorted_sd["model.norm.weight"][:hk].clone()
-    for li, ((pa, pm), (ca, cm)) in enumerate(zip(parent.layers(), child.layers(), strict=True)):
+    for li, ((pa, _pm), (ca, cm)) in enumerate(zip(parent.layers(), child.layers(), strict=True)):
         pre = f"model.layers.{li}."
         if not ca.removed:
             d = pa.head_dim

@@ -51,7 +51,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
