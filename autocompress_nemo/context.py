@@ -102,6 +102,25 @@ class Context:
         return model
 
     @staticmethod
+    def to_hf(spec: ArchSpec, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The HF-named state dict of a Megatron model (collective over TP/EP), by model family."""
+        if spec.is_dense_layered():
+            from autocompress_nemo.models.llama.state_dict_adapter import megatron_to_hf
+        else:
+            from autocompress_nemo.models.hybrid import megatron_to_hf
+        return megatron_to_hf(spec, model)
+
+    @staticmethod
+    def export_hf(spec: ArchSpec, sd: dict[str, torch.Tensor], out_dir: Path) -> Any:
+        """A Hugging Face directory: Llama / DeciLM ``block_configs`` for dense models, Nemotron-H
+        (Puzzle per-block when heterogeneous) for hybrids."""
+        if spec.is_dense_layered():
+            from autocompress_nemo.models.llama.hf_io import export_hf
+        else:
+            from autocompress_nemo.models.nemotron_h import export_hf
+        return export_hf(spec, sd, out_dir, tokenizer=None)
+
+    @staticmethod
     def forward(model: torch.nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
         from autocompress_nemo.models.builder import forward_logits
 

@@ -196,32 +196,28 @@ def _plot_trajectory(traj: list[dict], path: Path, method: str) -> None:
 
 
 def extract(ctx: Context, out: Path, rank_dir: Path, search_dir: Path) -> None:
-    """Slice the chosen architecture from the sorted **parent** weights."""
+    """Slice the chosen architecture from the sorted **parent** weights (every model family)."""
     from autocompress_nemo.extract.slice import slice_state_dict
-    from autocompress_nemo.models.llama.hf_io import export_hf
 
-    if not ctx.parent[0].is_dense_layered():  # MoE / Mamba hybrids
-        return stages_hybrid.extract(ctx, out, rank_dir, search_dir)
-    spec, sd, _, _ = sorted_parent(rank_dir)
+    spec, sd = load_weights(rank_dir)
     rec = read_json(search_dir / "arch.json")
     child = ArchSpec.from_dict(rec["child"])
     child_sd = slice_state_dict(spec, sd, child)
     save_weights(out, child, child_sd)
     write_json_atomic(out / "arch.json", rec)
-    export_hf(child, child_sd, out / "hf", tokenizer=None)
-    ctx.say(f"[extract] {child.pattern}: {param_count(child):,} parameters "
+    ctx.export_hf(child, child_sd, out / "hf")
+    shape = child.pattern if child.is_dense_layered() else stages_hybrid.describe(child)
+    ctx.say(f"[extract] {shape}: {param_count(child):,} parameters "
             f"({param_count(child) / param_count(spec):.1%} of the parent)")
 
 
 # -- distill -------------------------------------------------------------------------------------------
 def distill(ctx: Context, out: Path, rank_dir: Path, extract_dir: Path, ckpt_dir: Path) -> None:
+    """Recovery distillation of the extracted student from the sorted parent (every model family)."""
     from autocompress_nemo.distill.recover import distill as run_distill
-    from autocompress_nemo.models.llama.state_dict_adapter import megatron_to_hf
 
-    if not ctx.parent[0].is_dense_layered():  # MoE / Mamba hybrids
-        return stages_hybrid.distill(ctx, out, rank_dir, extract_dir, ckpt_dir)
     d = ctx.cfg.distill
-    pspec, psd, _, _ = sorted_parent(rank_dir)
+    pspec, psd = load_weights(rank_dir)
     cspec, csd = load_weights(extract_dir)
     teacher = ctx.model(pspec, psd)
     for p in teacher.parameters():
@@ -230,7 +226,7 @@ def distill(ctx: Context, out: Path, rank_dir: Path, extract_dir: Path, ckpt_dir
     seq, bs = int(d.seq_len), int(d.batch_size)
     result = run_distill(student, teacher, ctx.forward, lambda step: ctx.batch_at("train", step, bs, seq, seed_offset=29),
                          d, ckpt_dir, int(ctx.cfg.seed))
-    save_weights(out, cspec, megatron_to_hf(cspec, student))
+    save_weights(out, cspec, ctx.to_hf(cspec, student))
     write_json_atomic(out / "distill.json", result)
 
 

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from autocompress_nemo.arch.counts import param_count
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
 from autocompress_nemo.context import Context, load_weights, read_json, save_weights
 from autocompress_nemo.utils.artifacts import write_json_atomic
@@ -147,39 +146,6 @@ def describe(spec: ArchSpec) -> str:
 
 
 # -- extract / distill / export ---------------------------------------------------------------------
-def extract(ctx: Context, out: Path, rank_dir: Path, search_dir: Path) -> None:
-    from autocompress_nemo.extract.slice import slice_state_dict
-    from autocompress_nemo.models.nemotron_h import export_hf
-
-    spec, sd = load_weights(rank_dir)
-    rec = read_json(search_dir / "arch.json")
-    child = ArchSpec.from_dict(rec["child"])
-    child_sd = slice_state_dict(spec, sd, child)
-    save_weights(out, child, child_sd)
-    write_json_atomic(out / "arch.json", rec)
-    export_hf(child, child_sd, out / "hf", tokenizer=None)
-    ctx.say(f"[extract] {describe(child)}: {param_count(child):,} parameters "
-            f"({param_count(child) / param_count(spec):.1%} of the parent); Nemotron-H HF directory -> {out / 'hf'}")
-
-
-def distill(ctx: Context, out: Path, rank_dir: Path, extract_dir: Path, ckpt_dir: Path) -> None:
-    from autocompress_nemo.distill.recover import distill as run_distill
-    from autocompress_nemo.models.hybrid import megatron_to_hf
-
-    d = ctx.cfg.distill
-    pspec, psd = load_weights(rank_dir)
-    cspec, csd = load_weights(extract_dir)
-    teacher = ctx.model(pspec, psd)
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    student = ctx.model(cspec, csd)
-    seq, bs = int(d.seq_len), int(d.batch_size)
-    result = run_distill(student, teacher, ctx.forward, lambda step: ctx.batch_at("train", step, bs, seq, seed_offset=29),
-                         d, ckpt_dir, int(ctx.cfg.seed))
-    save_weights(out, cspec, megatron_to_hf(cspec, student))
-    write_json_atomic(out / "distill.json", result)
-
-
 def export(ctx: Context, out: Path, student_dir: Path) -> None:
     from autocompress_nemo.models.nemotron_h import export_hf
 
