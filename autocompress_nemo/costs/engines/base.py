@@ -14,6 +14,7 @@ response latency of the workload. Memory is always sized for ``context_len`` x `
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 from dataclasses import dataclass, field
 from typing import Any
@@ -207,3 +208,30 @@ class Engine:
             "flash_attn": bool(getattr(self.cfg, "flash_attn", True)),
             "estimated": self.estimated,
         }
+
+
+class CpuTimedEngine(Engine):
+    """An engine timed on this machine's CPU: a fixed thread count and a choice of clock.
+
+    ``clock``: ``thread_cpu`` (the compute thread's CPU time, robust on a shared machine when
+    one thread computes) or ``wall``; ``auto`` picks thread_cpu at 1 thread. Both are
+    provenance fields a cost table must match."""
+
+    def threads(self) -> int:
+        t = int(getattr(self.cfg, "threads", 0) or 0)
+        if not t and self.hardware is not None:
+            t = int(getattr(self.hardware, "threads", 0) or 0)
+        return t or (os.cpu_count() or 1)
+
+    def clock(self) -> str:
+        c = str(self.setting("clock", "auto"))
+        if c == "auto":
+            return "thread_cpu" if self.threads() == 1 else "wall"
+        if c not in ("wall", "thread_cpu"):
+            raise ValueError(f"engine.settings.clock={c!r}: use auto, wall or thread_cpu")
+        return c
+
+    def provenance(self) -> dict[str, Any]:
+        p = super().provenance()
+        p.update(threads=self.threads(), clock=self.clock())
+        return p

@@ -36,7 +36,6 @@ with its ``K (...)`` and ``V (...)`` parts, ``output buffer size`` and ``compute
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 import tempfile
 import time
@@ -46,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from autocompress_nemo.arch.spec import ArchSpec
-from autocompress_nemo.costs.engines.base import Engine, Measurement, Workload, robust, spread
+from autocompress_nemo.costs.engines.base import CpuTimedEngine, Measurement, Workload, robust, spread
 
 _MIB = 1024.0 * 1024.0
 _LOG: list[str] = []
@@ -92,7 +91,7 @@ def parse_memory_log(text: str) -> dict[str, float]:
     return out
 
 
-class LlamaCppEngine(Engine):
+class LlamaCppEngine(CpuTimedEngine):
     name = "llama_cpp"
 
     def __init__(self, cfg: Any, hardware: Any = None, workdir: str | Path | None = None) -> None:
@@ -114,26 +113,6 @@ class LlamaCppEngine(Engine):
 
         return f"llama-cpp-python {llama_cpp.__version__}"
 
-    def threads(self) -> int:
-        t = int(getattr(self.cfg, "threads", 0) or 0)
-        if not t and self.hardware is not None:
-            t = int(getattr(self.hardware, "threads", 0) or 0)
-        return t or (os.cpu_count() or 1)
-
-    def clock(self) -> str:
-        """``thread_cpu`` (the compute thread's CPU time) or ``wall``; ``auto``: thread_cpu at 1 thread."""
-        c = str(self.setting("clock", "auto"))
-        if c == "auto":
-            return "thread_cpu" if self.threads() == 1 else "wall"
-        if c not in ("wall", "thread_cpu"):
-            raise ValueError(f"engine.settings.clock={c!r}: use auto, wall or thread_cpu")
-        return c
-
-    def provenance(self) -> dict[str, Any]:
-        p = super().provenance()
-        p["threads"] = self.threads()
-        p["clock"] = self.clock()
-        return p
 
     def check_servable(self, spec: ArchSpec, parent: ArchSpec | None = None) -> list[str]:
         out = super().check_servable(spec, parent)

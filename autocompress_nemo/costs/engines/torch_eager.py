@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -54,7 +53,7 @@ from typing import Any
 import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
-from autocompress_nemo.costs.engines.base import Engine, Measurement, Workload, robust, spread
+from autocompress_nemo.costs.engines.base import CpuTimedEngine, Measurement, Workload, robust, spread
 
 LABEL = "PyTorch eager (transformers) on CPU — a measurement engine, not a production serving engine"
 _MAMBA_OPS = ("mamba2_chunk_scan", "causal_conv1d_fn", "mamba2_split_conv1d_scan_combined", "causal_conv1d_update",
@@ -161,7 +160,7 @@ def _cache_bytes(cache: Any) -> tuple[float, float]:
     return kv, st
 
 
-class TorchEagerEngine(Engine):
+class TorchEagerEngine(CpuTimedEngine):
     name = "torch_eager"
 
     def __init__(self, cfg: Any, hardware: Any = None, workdir: Any = None) -> None:
@@ -173,23 +172,9 @@ class TorchEagerEngine(Engine):
 
         return f"PyTorch eager {torch.__version__.split('+')[0]} / transformers {transformers.__version__} (CPU)"
 
-    def threads(self) -> int:
-        t = int(getattr(self.cfg, "threads", 0) or 0)
-        if not t and self.hardware is not None:
-            t = int(getattr(self.hardware, "threads", 0) or 0)
-        return t or (os.cpu_count() or 1)
-
-    def clock(self) -> str:
-        c = str(self.setting("clock", "auto"))
-        if c == "auto":
-            return "thread_cpu" if self.threads() == 1 else "wall"
-        if c not in ("wall", "thread_cpu"):
-            raise ValueError(f"engine.settings.clock={c!r}: use auto, wall or thread_cpu")
-        return c
-
     def provenance(self) -> dict[str, Any]:
         p = super().provenance()
-        p.update(threads=self.threads(), clock=self.clock(), serving=LABEL)
+        p.update(serving=LABEL)
         return p
 
     def check_servable(self, spec: ArchSpec, parent: ArchSpec | None = None) -> list[str]:
