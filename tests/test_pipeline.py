@@ -66,3 +66,14 @@ def test_impossible_budget_stops_before_training(tmp_path, capsys) -> None:
         run_pipeline(cfg)
     assert not (tmp_path / "run" / "search_autocompress").exists()
     assert not (tmp_path / "run" / "search_autocompress.ckpt" / "router.pt").exists()
+
+
+def test_quick_preset_lightens_profiling_only_through_a_copy() -> None:
+    from autocompress_nemo.search.__main__ import with_profile_settings
+
+    cfg = compose(["search=quick"])
+    quick = with_profile_settings(cfg)
+    assert quick.target.engine.settings.rounds == 1 and quick.target.engine.settings.validate_random == 3
+    assert "rounds" not in cfg.target.engine.settings  # the composed config is not mutated
+    default = compose([])
+    assert with_profile_settings(default) is default

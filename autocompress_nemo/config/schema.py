@@ -216,6 +216,10 @@ class SearchConfig:
     """Minitron++: short distillation steps given to each scored candidate before scoring
     (Minitron's lightweight retraining of its top candidates); its tokens count as
     architecture-selection tokens."""
+    profile_settings: dict[str, Any] = field(default_factory=dict)
+    """Engine settings this preset applies to the run's profile / validate stages (merged into
+    ``target.engine.settings``): the quick preset profiles with one timing round, fewer decode
+    steps and fewer validation models. Empty: the target's own settings."""
     router_init: str = "uniform"
     """Router logits at the start: ``uniform``, ``parent`` (biased to the parent's widths) or ``linear``."""
     checkpoint_every: int = 50

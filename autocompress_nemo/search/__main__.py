@@ -12,12 +12,13 @@ same inputs is skipped; a killed stage resumes from its checkpoint.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from autocompress_nemo import stages
 from autocompress_nemo.config.entry import hydra_entry
@@ -32,6 +33,7 @@ def run_pipeline(cfg: DictConfig) -> dict[str, Any]:
         from autocompress_nemo.plan.dry_run import run_dry_run
 
         return run_dry_run(cfg)
+    cfg = with_profile_settings(cfg)
     run, ctx = Run(cfg), Context(cfg)
     ctx.say = run.say
     wanted = set(cfg.stages)
@@ -83,6 +85,19 @@ def run_pipeline(cfg: DictConfig) -> dict[str, Any]:
             run.stage(f"export_{m}", lambda d, s=s: stages.export(ctx, d, s), ("target.engine",), [s])
     if "report" in wanted or "evaluate" in wanted:
         out["report"] = str(stages.report(ctx, run, methods, vdir))
+    return out
+
+
+def with_profile_settings(cfg: DictConfig) -> DictConfig:
+    """A copy of ``cfg`` whose ``target.engine.settings`` include the search preset's
+    ``profile_settings`` (derived here, once, so every stage sees the same engine settings)."""
+    extra = cfg.search.get("profile_settings") or {}
+    if not extra:
+        return cfg
+    out = copy.deepcopy(cfg)
+    with open_dict(out.target.engine.settings):  # a free-form dict of the schema: new keys are expected
+        for k, v in extra.items():
+            out.target.engine.settings[k] = v
     return out
 
 
