@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -112,3 +113,14 @@ def teardown() -> None:
     if _OWNS_PROCESS_GROUP and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     _OWNS_PROCESS_GROUP = False
+
+
+def tensor_parallel() -> tuple[Any, int, int]:
+    """``(TP process group, TP rank, TP world size)``; ``(None, 0, 1)`` when Megatron's parallel
+    state is not initialized (one process without ``init_distributed``)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None, 0, 1
+    return (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size())

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.distributed.state import tensor_parallel
 
 
 @dataclass
@@ -73,14 +74,8 @@ class Importance:
 
 
 def _tp_group() -> tuple[dist.ProcessGroup | None, int]:
-    try:
-        from megatron.core import parallel_state as ps
-
-        if ps.model_parallel_is_initialized():
-            return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
-    except Exception:  # noqa: BLE001 - megatron not initialized: single process
-        pass
-    return None, 1
+    group, _, world = tensor_parallel()
+    return group, world
 
 
 def _gather_tp(x_local: torch.Tensor, group: dist.ProcessGroup | None, world: int) -> torch.Tensor:
@@ -187,7 +182,7 @@ def collect_importance(
         acc_blk = _allreduce_tp(acc_blk, group, world)
     n = max(n_tokens_seen, 1)
     scores = []
-    for li, (attn, mlp) in enumerate(layers):
+    for li in range(len(layers)):
         heads = acc_heads[li]
         ffn = acc_ffn[li]
         if heads is not None:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from autocompress_nemo.arch.spec import ArchSpec, Block
 from autocompress_nemo.distill.kd import kd_loss
+from autocompress_nemo.distributed.state import tensor_parallel
 from autocompress_nemo.search.router import Router, temperature, two_sided_penalty
 from autocompress_nemo.search.space import Decision, apply_choices
 from autocompress_nemo.search.supernet import Supernet
@@ -44,14 +45,8 @@ class SearchOutcome:
 
 
 def _tp_group() -> tuple[Any, int]:
-    try:
-        from megatron.core import parallel_state as ps
-
-        if ps.model_parallel_is_initialized():
-            return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
-    except Exception:  # noqa: BLE001
-        pass
-    return None, 1
+    group, _, world = tensor_parallel()
+    return group, world
 
 
 def check_budget_reachable(

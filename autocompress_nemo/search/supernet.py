@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
+from autocompress_nemo.distributed.state import tensor_parallel
 from autocompress_nemo.search.space import Decision
 
 
@@ -39,14 +40,8 @@ def option_masks(decision: Decision, parent_block: AttentionBlock | MlpBlock) ->
 
 
 def _tp() -> tuple[int, int]:
-    try:
-        from megatron.core import parallel_state as ps
-
-        if ps.model_parallel_is_initialized():
-            return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    except Exception:  # noqa: BLE001 - not initialized: one process
-        pass
-    return 0, 1
+    _, rank, world = tensor_parallel()
+    return rank, world
 
 
 class Supernet:
