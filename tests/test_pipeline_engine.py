@@ -30,6 +30,8 @@ def test_tiny_pipeline_end_to_end_in_llama_cpp(tmp_path, capsys) -> None:
     assert set(ev["before_recovery"]) == {"autocompress", "minitron_pp"}
     report = (run / "report.md").read_text()
     assert "## Budget compliance" in report and "measured in llama_cpp" in report
+    version = json.loads((run / "profile" / "cost_table" / "cost_table.json").read_text())["provenance"]["engine_version"]
+    assert f"- engine: llama_cpp {version} (f16)" in report  # the version the table measured, not "?"
     assert out["report"].endswith("report.md")
     ggufs = list((run / "export_autocompress").glob("*.gguf"))
     assert len(ggufs) == 1

@@ -2,7 +2,7 @@
 
 The pipeline gathers its artifacts as::
 
-    {"target": {"name", "description", "engine": str, "hardware": str, "workload": {...}},
+    {"target": {"name", "description", "engine": str | {"name", "version", "dtype"}, "hardware": str, "workload": {...}},
      "budgets": {metric: absolute}, "budget_reference": str,
      "models": {name: {"spec", "params", "accuracy": {"heldout_ppl", "heldout_tokens", "lm_eval", ...},
                        "predicted": {...}, "measured": {...}, "measured_memory": {...},

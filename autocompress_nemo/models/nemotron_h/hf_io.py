@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, MoeBlock
-from autocompress_nemo.models.hybrid.hf_dir import read_hf_dir, write_hf_dir
+from autocompress_nemo.models.hf_dir import read_hf_dir, write_hf_dir
 from autocompress_nemo.models.hybrid.names import NEMOTRON_H
 from autocompress_nemo.models.hybrid.state_dict import block_roles, megatron_to_hf
 from autocompress_nemo.models.nemotron_h.config import export_spec, hf_config_from_spec, spec_from_hf_config

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MlpBlock, MoeBlock
-from autocompress_nemo.models.hybrid.hf_dir import read_hf_dir, write_hf_dir
+from autocompress_nemo.models.hf_dir import read_hf_dir, write_hf_dir
 from autocompress_nemo.models.hybrid.names import QWEN3_MOE
 from autocompress_nemo.models.hybrid.state_dict import megatron_to_hf
 
