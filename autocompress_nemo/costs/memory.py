@@ -104,18 +104,32 @@ def kv_cache_bytes(spec: ArchSpec, context: int, batch: int, kv_dtype: str) -> f
     return kv_bytes_per_token(spec, bytes_per_element(kv_dtype)) * context * batch
 
 
-def block_state_bytes(b: Block, batch: int, state_dtype: str) -> float:
+def block_state_bytes(b: Block, batch: int, state_dtype: str, conv_extra: int = 0) -> float:
     """Mamba state of one block per ``B`` sequences, constant in context:
-    ``(Hm*Pm*N + conv_dim*(K-1)) * B * b(state)``; 0 for other kinds."""
+    ``(Hm*Pm*N + conv_dim*(K-1+e)) * B * b(state)``; 0 for other kinds. ``e`` (``conv_extra``):
+    conv-state columns an engine keeps beyond the ``K-1`` past inputs (llama.cpp 0; transformers
+    and mamba-ssm keep ``K``, ``e = 1``; calibrated by the profiler as ``memory.conv_extra``)."""
     if not isinstance(b, MambaBlock) or b.removed:
         return 0.0
-    return (b.num_heads * b.head_dim * b.state_size + mamba_conv_dim(b) * (b.conv_kernel - 1)) * batch * \
-        bytes_per_element(state_dtype)
+    return (b.num_heads * b.head_dim * b.state_size + mamba_conv_dim(b) * (b.conv_kernel - 1 + conv_extra)) * \
+        batch * bytes_per_element(state_dtype)
 
 
-def ssm_state_bytes(spec: ArchSpec, batch: int, state_dtype: str) -> float:
-    """All Mamba state: ``ssm_state_bytes_per_sequence(spec) * B``."""
-    return ssm_state_bytes_per_sequence(spec, bytes_per_element(state_dtype)) * batch
+def ssm_state_bytes(spec: ArchSpec, batch: int, state_dtype: str, conv_extra: int = 0) -> float:
+    """All Mamba state: ``ssm_state_bytes_per_sequence(spec) * B`` (+ ``conv_dim * e * B`` per block)."""
+    extra = sum(mamba_conv_dim(b) for b in spec.blocks if isinstance(b, MambaBlock) and not b.removed) * conv_extra
+    return (ssm_state_bytes_per_sequence(spec, bytes_per_element(state_dtype))
+            + extra * bytes_per_element(state_dtype)) * batch
+
+
+def conv_extra_columns(spec: ArchSpec, batch: int, state_dtype: str, measured_state: float) -> int:
+    """The ``conv_extra`` that explains an engine's measured state bytes of ``spec``:
+    ``round((S - ssm_state_bytes(e=0)) / (sum conv_dim * B * b))``; 0 without Mamba blocks."""
+    conv = sum(mamba_conv_dim(b) for b in spec.blocks if isinstance(b, MambaBlock) and not b.removed)
+    if not conv or measured_state <= 0:
+        return 0
+    return int(round((measured_state - ssm_state_bytes(spec, batch, state_dtype)) /
+                     (conv * batch * bytes_per_element(state_dtype))))
 
 
 def output_buffer_bytes(vocab: int, batch: int, logits_bytes: int = 4) -> int:

@@ -60,6 +60,7 @@ class Predictor:
         self.kv_dtype = str(_get(eng, "kv_dtype", None) or table.provenance.get("kv_dtype", "f16"))
         self.norm_dtype = str(table.memory.get("norm_dtype", "f32"))
         self.state_dtype = "f32"
+        self.conv_extra = int(table.memory.get("conv_extra", 0))  # engine's extra conv-state columns
         # KV tokens at full context and batch as the engine allocates them (padding included)
         self.kv_tokens = int(table.memory.get("kv_tokens", self.context_len * self.batch))
 
@@ -80,7 +81,7 @@ class Predictor:
         if metric == "memory_bytes":
             return (mem.block_weight_bytes(block, self.table.parent.hidden, self.dtype, self.norm_dtype)
                     + mem.block_kv_bytes(block, self.kv_tokens, 1, self.kv_dtype)
-                    + mem.block_state_bytes(block, self.batch, self.state_dtype))
+                    + mem.block_state_bytes(block, self.batch, self.state_dtype, self.conv_extra))
         if metric == "params":
             return float(block_params(block, self.table.parent.hidden))
         raise ValueError(_metric_error(metric))
@@ -112,7 +113,7 @@ class Predictor:
             "weights": outside + blocks_w,
             "weights_outside_blocks": outside,
             "kv": mem.kv_cache_bytes(spec, self.kv_tokens, 1, self.kv_dtype),
-            "state": mem.ssm_state_bytes(spec, self.batch, self.state_dtype),
+            "state": mem.ssm_state_bytes(spec, self.batch, self.state_dtype, self.conv_extra),
             "compute": self.table.compute_bytes(spec),
             "output": float(m.get("output_bytes", 0.0)),
         }

@@ -44,7 +44,7 @@ from typing import Any
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
 from autocompress_nemo.costs.engines.base import Engine, Measurement, Workload, _cap
-from autocompress_nemo.costs.memory import kv_cache_bytes, weight_bytes
+from autocompress_nemo.costs.memory import conv_extra_columns, kv_cache_bytes, weight_bytes
 from autocompress_nemo.costs.table import PHASES, CostTable, make_provenance
 
 Layer = tuple[AttentionBlock, MlpBlock]
@@ -276,13 +276,29 @@ def hybrid_profile_options(parent: ArchSpec, caps: Any, ffn_points: int) -> list
     return out
 
 
+def spread_copies(blocks: tuple[Any, ...], x: Any, k: int) -> tuple[Any, ...]:
+    """``blocks`` with ``k`` copies of ``x`` inserted at evenly spaced positions: copy ``j``
+    (``j = 0..k-1``) goes before parent block ``round((j + 1) * L / (k + 1))`` (``L`` = parent
+    blocks), so each copy sits between the parent's blocks; a parent of ``L = 0`` gets ``k`` copies."""
+    at = [round((j + 1) * len(blocks) / (k + 1)) for j in range(k)]
+    out: list[Any] = []
+    for i, b in enumerate(blocks):
+        out += [x] * at.count(i)
+        out.append(b)
+    out += [x] * at.count(len(blocks))
+    return tuple(out)
+
+
 def build_hybrid_table(engine: Engine, parent: ArchSpec, workload: Workload, *, ffn_points: int = 8,
                        log: Callable[[str], None] | None = None) -> CostTable:
     """Cost table of a hybrid parent from short-model differences in the real engine.
 
-    Profiling model of option ``X``: the parent's blocks followed by ``k`` copies of ``X``
-    (``k = engine.settings.profile_copies``, default 3); base = the parent (``k = 0``). The cost
-    of one ``X`` is the slope ``(T(parent + k X) - T(parent)) / k`` per phase.
+    Profiling model of option ``X``: the parent's blocks with ``k`` copies of ``X`` spread among
+    them (``spread_copies``; ``k = engine.settings.profile_copies``, default 3); base = the parent
+    (``k = 0``). The cost of one ``X`` is the slope ``(T(parent + k X) - T(parent)) / k`` per phase.
+    Spread, not appended: a block run back to back with copies of itself is measurably cheaper on
+    a CPU (hot code paths and caches) than the same block between blocks of other kinds, as it
+    runs in the models being predicted.
 
     MoE blocks are two additive parts (``table.moe_parts``). The routed part ``R`` is profiled as a
     MoE block without shared expert; a shared width ``S`` as the parent's routed part with shared
@@ -311,7 +327,8 @@ def build_hybrid_table(engine: Engine, parent: ArchSpec, workload: Workload, *, 
             jobs.append((f"{o.kind}{len(jobs)}", dataclasses.replace(routed_p, shared_ffn=o.shared_ffn)))
         else:
             jobs.append((f"{o.kind}{len(jobs)}", o))
-    specs = [parent.replace(name="base")] + [parent.replace(blocks=parent.blocks + (x,) * k, name=n) for n, x in jobs]
+    specs = [parent.replace(name="base")] + [parent.replace(blocks=spread_copies(parent.blocks, x, k), name=n)
+                                             for n, x in jobs]
     t_start = time.time()
     log(f"[profile] hybrid: {len(specs)} profiling models (parent + {k} copies of each of {len(jobs)} block options); "
         f"engine {engine.name} ({engine.version()}), workload {workload}")
@@ -357,7 +374,10 @@ def build_hybrid_table(engine: Engine, parent: ArchSpec, workload: Workload, *, 
     memory = {"output_bytes": base.memory.get("output", 0.0), "compute_bytes": [],
               "compute_base_bytes": base.memory.get("compute", 0.0), "compute_range": [min(comp), max(comp)],
               "weights_overhead_bytes": base.memory.get("weights", 0.0) - weight_bytes(parent, dtype, norm_dtype),
-              "kv_tokens": workload.context_len * workload.batch, "norm_dtype": norm_dtype}
+              "kv_tokens": workload.context_len * workload.batch, "norm_dtype": norm_dtype,
+              # conv-state columns beyond K-1 that the engine keeps (transformers: K), from the base's state
+              "conv_extra": conv_extra_columns(parent, workload.batch, "f32", base.memory.get("state", 0.0))
+              if not base.estimated else 0}
     runs = [{"name": s.name, "k": 0 if i == 0 else k, "block": None if i == 0 else jobs[i - 1][1].__dict__,
              "prefill_ms": m.prefill_ms, "decode_ms": m.decode_ms, "memory": m.memory, "raw": m.raw,
              "spread": m.spread, "wall_s": round(m.wall_s, 3)} for i, (s, m) in enumerate(zip(specs, results, strict=True))]

@@ -6,7 +6,10 @@
   config hash and provenance).
 - ``run_validate(cfg, table_path, out_dir) -> dict``: measure candidate models end to end in
   the engine, compare with the table's predictions, write ``validation.{csv,json,png}`` into
-  the artifact ``<out_dir>/validation`` and return the summary (per-metric errors).
+  the artifact ``<out_dir>/validation`` and return the summary (per-metric errors over the models
+  the table was not built from; a candidate that is a profiling model — a hybrid's parent — is
+  the *reference*: excluded, and its time now vs at profiling gives ``drift_scale`` and
+  ``errors_drift_corrected``, the error with the machine's speed change taken out).
 """
 
 from __future__ import annotations
@@ -118,7 +121,8 @@ def run_validate(cfg: Any, table_path: str | Path, out_dir: str | Path, *, n_ran
             p = pred.predict(spec)
             meas = {"prefill_ms": m.prefill_ms, "decode_ms": m.decode_ms,
                     "response_latency_ms": m.prefill_ms + wl.output_len * m.decode_ms, "memory_bytes": m.memory_bytes}
-            row: dict[str, Any] = {"name": spec.name, "pattern": spec.pattern, "layers": spec.num_layers}
+            row: dict[str, Any] = {"name": spec.name, "pattern": spec.pattern, "layers": spec.num_layers,
+                                   "reference": val.is_reference(spec, table)}
             for k in val.METRICS:
                 row[f"pred_{k}"], row[f"meas_{k}"] = float(p[k]), float(meas[k])
                 row[f"err_{k}_pct"] = 100.0 * (p[k] - meas[k]) / meas[k] if meas[k] else float("nan")
@@ -130,9 +134,15 @@ def run_validate(cfg: Any, table_path: str | Path, out_dir: str | Path, *, n_ran
             print(f"    {spec.name}: decode {meas['decode_ms']:.3f} ms (pred {p['decode_ms']:.3f}, {row['err_decode_ms_pct']:+.2f}%), "
                   f"prefill {meas['prefill_ms']:.1f} ms ({row['err_prefill_ms_pct']:+.2f}%), memory "
                   f"{row['err_memory_bytes_pct']:+.3f}%", file=sys.stderr, flush=True)
+        ref = next((r for r in rows if r["reference"]), None)
+        drift = val.drift_scale(ref, wl.output_len)
         summary = {"target": str(cfg.target.name), "engine": table.provenance["engine"], "label": table.label,
-                   "estimated": table.estimated, "models": len(rows), "engine_runs": getattr(engine, "runs", 0),
+                   "estimated": table.estimated, "models": sum(not r["reference"] for r in rows),
+                   "reference": ref["name"] if ref else None, "engine_runs": getattr(engine, "runs", 0),
                    "errors": val.errors(rows), "wall_s": round(time.time() - t0, 1), "table": str(table_path)}
+        if drift:  # the same errors with the machine's speed change since profiling taken out
+            summary["drift_scale"] = drift
+            summary["errors_drift_corrected"] = val.errors(rows, drift)
         _rmtree(tmp / "work")
         val.write_report(rows, summary, tmp)
     summary["files"] = {k: str(out / f"validation.{k}") for k in ("csv", "json", "png")}

@@ -1,10 +1,13 @@
 """Validation candidates and the predicted-vs-measured report (CSV, JSON, PNG scatter).
 
-Candidates (none of them is a profiling model): the parent; uniform shrinks (ffn, KV
+Dense candidates (none of them is a profiling model): the parent; uniform shrinks (ffn, KV
 groups, query heads, a mix); a model with whole layers removed; random heterogeneous mixes
 (per-layer attention options and off-grid ffn widths, some blocks removed), each checked
 against the engine's capabilities (first layer keeps attention, last keeps ffn, no
-attention without ffn on llama.cpp).
+attention without ffn on llama.cpp). Hybrid candidates come from the hybrid search space
+(``stages_hybrid.validation_candidates``); there the parent *is* the table's base profiling model,
+so it is measured as the *reference* (``is_reference``): left out of the errors, and used to
+measure how much the machine's speed changed since profiling (``drift_scale``).
 """
 
 from __future__ import annotations
@@ -80,15 +83,45 @@ def candidates(parent: ArchSpec, caps: Any, n_random: int = 8, seed: int = 0, ff
     return out
 
 
-def errors(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per metric: mean absolute % error, max absolute % error, mean signed % error."""
+def is_reference(spec: ArchSpec, table: Any) -> bool:
+    """True when ``spec`` is a model the table was profiled from: the parent of a hybrid table
+    (``settings.method == 'hybrid_append'``: its base run is the parent itself)."""
+    from autocompress_nemo.costs.table import spec_hash
+
+    method = (table.provenance.get("profile") or {}).get("method")
+    return method == "hybrid_append" and spec_hash(spec) == table.provenance.get("parent")
+
+
+def errors(rows: list[dict[str, Any]], scale: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
+    """Per metric: mean absolute % error, max absolute % error, mean signed % error, over the rows
+    that are not a reference (``row['reference']``: a model the table was built from).
+
+    ``scale``: per-metric factors applied to the predictions first (``drift_scale``), e.g. to
+    separate the cost model's error from a change of the machine's speed since profiling."""
     out: dict[str, dict[str, float]] = {}
+    rows = [r for r in rows if not r.get("reference")]
     for m in METRICS:
-        errs = [100.0 * (r[f"pred_{m}"] - r[f"meas_{m}"]) / r[f"meas_{m}"] for r in rows if r[f"meas_{m}"]]
+        f = (scale or {}).get(m, 1.0)
+        errs = [100.0 * (f * r[f"pred_{m}"] - r[f"meas_{m}"]) / r[f"meas_{m}"] for r in rows if r[f"meas_{m}"]]
         if errs:
             out[m] = {"mape": sum(abs(e) for e in errs) / len(errs), "max_ape": max(abs(e) for e in errs),
                       "bias": sum(errs) / len(errs), "n": len(errs)}
     return out
+
+
+def drift_scale(reference: dict[str, Any] | None, output_len: int) -> dict[str, float]:
+    """Machine-speed change since profiling, from a reference model timed in both sessions (the
+    hybrid table's base model is the parent): ``s_p = T_now(ref) / T_table(ref)`` per phase ``p``;
+    response latency ``(s_pf * pf + O * s_dc * dc) / (pf + O * dc)`` of the reference; memory 1.
+    Empty without a reference. Predictions x ``s`` = what the table would say had it been built
+    at today's machine speed; the error left is the cost model's own."""
+    if not reference:
+        return {}
+    s = {p: reference[f"meas_{p}"] / reference[f"pred_{p}"] for p in ("prefill_ms", "decode_ms")}
+    pf, dc = reference["pred_prefill_ms"], reference["pred_decode_ms"]
+    s["response_latency_ms"] = (s["prefill_ms"] * pf + output_len * s["decode_ms"] * dc) / (pf + output_len * dc)
+    s["memory_bytes"] = 1.0
+    return s
 
 
 def write_report(rows: list[dict[str, Any]], summary: dict[str, Any], out_dir: Path) -> dict[str, Path]:
@@ -121,7 +154,8 @@ def write_report(rows: list[dict[str, Any]], summary: dict[str, Any], out_dir: P
         ax.set_xlabel(f"measured ({unit})")
         ax.set_ylabel(f"predicted ({unit})")
     fig.suptitle(f"{summary['target']} / {summary['engine']}: predicted vs measured ({summary['label']}), "
-                 f"{len(rows)} models not used for the table", fontsize=9)
+                 f"{summary.get('models', len(rows))} models not used for the table"
+                 + (f" (+ reference {summary['reference']})" if summary.get("reference") else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(paths["png"], dpi=110)
     plt.close(fig)

@@ -29,7 +29,8 @@ Timing (``torch.set_num_threads(threads)`` for the measurement, restored afterwa
 - clock: thread CPU time at one thread (PyTorch computes on the calling thread; other
   processes on the shared cores do not count), wall time otherwise (``settings.clock``);
   both are kept (``*_wall_ms``). Statistic: the ``percentile``-th percentile (default 10th).
-- several models: interleaved rounds, as the llama.cpp adapter does.
+- several models: held together (up to ``settings.hold_bytes`` of weights) and timed in many short
+  interleaved rounds (``settings.rounds``), each turn cache-warm after ``decode_warmup`` steps.
 
 Memory by part (``Measurement.memory``), with what is counted and what is measured:
 
@@ -203,7 +204,13 @@ class TorchEagerEngine(CpuTimedEngine):
     def measure_many(self, specs: list[ArchSpec], workload: Workload, *, rounds: int | None = None,
                      weights: list[dict[str, Any] | None] | None = None, timing: bool = True,
                      log: Any = None) -> list[Measurement]:
-        """Measure several models in interleaved rounds (see the module docstring)."""
+        """Measure several models in interleaved rounds (see the module docstring).
+
+        The models of a group (as many as fit ``settings.hold_bytes`` of weights, default 2 GiB)
+        are built once and kept; each round gives every model of the group its turn of
+        ``ceil(repeats / rounds)`` prefills and ``ceil(decode_steps / rounds)`` decode steps (each turn
+        after ``decode_warmup`` untimed steps, so its weights are cache-warm as in a lone run).
+        Many short rounds spread slow drift of a shared machine over all models alike."""
         from autocompress_nemo.models.hybrid.state_dict import random_hf_state_dict
 
         rounds = int(rounds or self.setting("rounds", 2))
@@ -211,7 +218,7 @@ class TorchEagerEngine(CpuTimedEngine):
         for s in specs:
             self.require_servable(s)
         per_round_p = max(1, -(-int(getattr(self.cfg, "repeats", 5)) // rounds))
-        per_round_d = max(4, -(-int(self.setting("decode_steps", 60)) // rounds))
+        per_round_d = max(2, -(-int(self.setting("decode_steps", 60)) // rounds))
         raws: list[dict[str, list[float]]] = [{} for _ in specs]
         mems: list[dict[str, float]] = [{} for _ in specs]
         walls = [0.0] * len(specs)
@@ -219,11 +226,9 @@ class TorchEagerEngine(CpuTimedEngine):
         torch.set_num_threads(self.threads())
         try:
             with torch_mamba_ops() as mn, torch.inference_mode():
-                for r in range(rounds):
-                    order = list(range(len(specs)))[:: -1 if r % 2 else 1]
-                    for i in order:
-                        if log and rounds > 1:
-                            log(f"    round {r + 1}/{rounds}: {specs[i].name}")
+                for group in self._groups(specs):
+                    live: dict[int, _Live] = {}
+                    for i in group:
                         t = time.time()
                         sd = weights[i]
                         if sd is None:
@@ -231,13 +236,23 @@ class TorchEagerEngine(CpuTimedEngine):
                         sd = {k: torch.as_tensor(v) for k, v in sd.items()}
                         model = hf_eager_model(specs[i], sd, mn, str(self.setting("attn_implementation", "sdpa")),
                                                self._dtype())
-                        mem, raw = self._run(model, specs[i], workload, timing, per_round_p, per_round_d)
-                        del model
+                        live[i] = _Live(model, specs[i], workload, self, self.clock() == "thread_cpu")
+                        mems[i] = live[i].memory
                         walls[i] += time.time() - t
-                        mems[i] = mems[i] or mem
-                        for k, v in raw.items():
-                            raws[i].setdefault(k, []).extend(v)
-                        self.runs += 1
+                    for r in range(rounds if timing else 0):
+                        for i in group[:: -1 if r % 2 else 1]:
+                            if log and rounds > 1:
+                                log(f"    round {r + 1}/{rounds}: {specs[i].name}")
+                            t = time.time()
+                            for k, v in live[i].turn(per_round_p, per_round_d, first=r == 0).items():
+                                raws[i].setdefault(k, []).extend(v)
+                            walls[i] += time.time() - t
+                            self.runs += 1
+                    if not timing:
+                        self.runs += len(group)
+                    for i in group:
+                        mems[i] = {**live[i].memory, "kv_at_decode_context": live[i].kv_bytes()}
+                    del live
         finally:
             torch.set_num_threads(old_threads)
         pct = float(getattr(self.cfg, "percentile", 10.0))
@@ -253,56 +268,78 @@ class TorchEagerEngine(CpuTimedEngine):
                 memory=mem, raw={**raw, **extra}, spread={k: spread(v) for k, v in timed.items()}, wall_s=walls[i]))
         return out
 
-    def _run(self, model: torch.nn.Module, spec: ArchSpec, wl: Workload, timing: bool, repeats: int,
-             steps: int) -> tuple[dict[str, float], dict[str, list[float]]]:
-        from transformers.cache_utils import DynamicLayer
+    def _groups(self, specs: list[ArchSpec]) -> list[list[int]]:
+        """Consecutive groups of models whose weights together fit ``settings.hold_bytes``."""
+        from autocompress_nemo.arch.counts import block_params, embedding_params
 
+        cap = float(self.setting("hold_bytes", 2 * 2**30))
+        per = torch.tensor([], dtype=self._dtype()).element_size()
+        groups: list[list[int]] = [[]]
+        used = 0.0
+        for i, s in enumerate(specs):
+            b = per * float(embedding_params(s) + sum(block_params(x, s.hidden) for x in s.blocks))
+            if groups[-1] and used + b > cap:
+                groups.append([])
+                used = 0.0
+            groups[-1].append(i)
+            used += b
+        return groups
+
+
+class _Live:
+    """One model held for measurement: a decode cache at context ``C`` and the timed forwards.
+
+    A *turn* = ``repeats`` prefills of ``batch x input_len`` (fresh cache; one untimed warm-up in the
+    first turn) and ``decode_warmup`` untimed + ``steps`` timed decode steps at context ``C``
+    (each step's token is cropped from the attention KV cache again)."""
+
+    def __init__(self, model: torch.nn.Module, spec: ArchSpec, wl: Workload, engine: TorchEagerEngine,
+                 cpu_clock: bool) -> None:
         from autocompress_nemo.costs import memory as cmem
 
-        g = torch.Generator().manual_seed(0)
-        cpu_clock = self.clock() == "thread_cpu"
-        wall: dict[str, list[float]] = {"prefill_ms": [], "decode_ms": []}
-
-        def fwd(ids: torch.Tensor, cache: Any, key: str | None, past: int = 0) -> tuple[float, Any]:
-            pos = torch.arange(past, past + ids.shape[1])  # given: a model without attention has no KV length
-            c, t = time.thread_time(), time.perf_counter()
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, position_ids=pos[None].expand(ids.shape[0], -1))
-            dt, dc = (time.perf_counter() - t) * 1e3, (time.thread_time() - c) * 1e3
-            if key:
-                wall[key].append(dt)
-            return (dc if cpu_clock else dt), out.past_key_values
-
-        def toks(n: int) -> torch.Tensor:
-            return torch.randint(0, spec.vocab, (wl.batch, n), generator=g)
-
-        weights = float(sum(p.numel() * p.element_size() for p in model.parameters()))
-        prefill: list[float] = []
-        decode: list[float] = []
-        c = wl.decode_context(str(self.setting("decode_context", "mean")))
-        _, cache = fwd(toks(c), None, None)
-        _, state = _cache_bytes(cache)
-        if timing:
-            for r in range(repeats + 1):
-                dt, _ = fwd(toks(wl.input_len), None, "prefill_ms" if r else None)
-                if r:
-                    prefill.append(dt)
-            warm = int(self.setting("decode_warmup", 4))
-            for step in range(steps + warm):
-                dt, cache = fwd(toks(1), cache, "decode_ms" if step >= warm else None, past=c)
-                for layer in cache.layers:
-                    if isinstance(layer, DynamicLayer) and layer.is_initialized:
-                        layer.crop(-1)
-                if step >= warm:
-                    decode.append(dt)
-        kv_at_c, _ = _cache_bytes(cache)
-        memory = {
-            "weights": weights,
-            "kv": cmem.kv_cache_bytes(spec, wl.context_len, wl.batch, str(getattr(self.cfg, "kv_dtype", "f32"))),
+        self.model, self.spec, self.wl, self.cpu_clock = model, spec, wl, cpu_clock
+        self.gen = torch.Generator().manual_seed(0)
+        self.warm = int(engine.setting("decode_warmup", 4))
+        self.c = wl.decode_context(str(engine.setting("decode_context", "mean")))
+        _, self.cache = self._fwd(self._toks(self.c), None)
+        _, state = _cache_bytes(self.cache)
+        self.memory: dict[str, float] = {
+            "weights": float(sum(p.numel() * p.element_size() for p in model.parameters())),
+            "kv": cmem.kv_cache_bytes(spec, wl.context_len, wl.batch, str(getattr(engine.cfg, "kv_dtype", "f32"))),
             "state": state,
             "compute": 0.0,
             "output": float(cmem.output_buffer_bytes(spec.vocab, wl.batch)),
-            "kv_at_decode_context": kv_at_c,
         }
-        raw = {"prefill_ms": prefill, "decode_ms": decode, "prefill_wall_ms": wall["prefill_ms"],
-               "decode_wall_ms": wall["decode_ms"]} if timing else {}
-        return memory, raw
+
+    def _toks(self, n: int) -> torch.Tensor:
+        return torch.randint(0, self.spec.vocab, (self.wl.batch, n), generator=self.gen)
+
+    def _fwd(self, ids: torch.Tensor, cache: Any, past: int = 0) -> tuple[tuple[float, float], Any]:
+        """One forward; ((clock ms, wall ms), cache). Positions given: a model without attention has no KV length."""
+        pos = torch.arange(past, past + ids.shape[1])[None].expand(ids.shape[0], -1)
+        c, t = time.thread_time(), time.perf_counter()
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, position_ids=pos)
+        dt, dc = (time.perf_counter() - t) * 1e3, (time.thread_time() - c) * 1e3
+        return ((dc if self.cpu_clock else dt), dt), out.past_key_values
+
+    def kv_bytes(self) -> float:
+        return _cache_bytes(self.cache)[0]
+
+    def turn(self, repeats: int, steps: int, first: bool) -> dict[str, list[float]]:
+        from transformers.cache_utils import DynamicLayer
+
+        raw: dict[str, list[float]] = {"prefill_ms": [], "decode_ms": [], "prefill_wall_ms": [], "decode_wall_ms": []}
+        for r in range(repeats + (1 if first else 0)):
+            (dt, wall), _ = self._fwd(self._toks(self.wl.input_len), None)
+            if r or not first:
+                raw["prefill_ms"].append(dt)
+                raw["prefill_wall_ms"].append(wall)
+        for step in range(steps + self.warm):
+            (dt, wall), self.cache = self._fwd(self._toks(1), self.cache, past=self.c)
+            for layer in self.cache.layers:
+                if isinstance(layer, DynamicLayer) and layer.is_initialized:
+                    layer.crop(-1)
+            if step >= self.warm:
+                raw["decode_ms"].append(dt)
+                raw["decode_wall_ms"].append(wall)
+        return raw
