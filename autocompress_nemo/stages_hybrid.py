@@ -3,14 +3,13 @@ dispatch lines (``if not spec.is_dense_layered(): return stages_hybrid.<stage>(.
 
 What differs from the dense stages:
 
-- rank: ``rank/moe_mamba.py`` scores routed experts (routing mass x output), expert ffn neurons,
-  shared-expert neurons and Mamba heads and reorders them (function unchanged). Attention heads
-  and dense-MLP neurons of hybrids are not scored or reordered in this build (the dense scorer
-  walks Llama layers); their options keep the parent's first heads / neurons.
+- rank: ``rank/moe_mamba.py`` scores, in one calibration pass on the Megatron hybrid model, routed
+  experts (routing mass x output), expert ffn neurons, shared-expert neurons, Mamba heads,
+  attention query heads / KV groups, dense-MLP neurons and hidden channels;
+  ``rank/reorder_hybrid.py`` sorts them on the Hugging Face-named parent (function unchanged).
 - search: the hybrid space (``search/space_hybrid.py``) and supernet; repair / growth use
-  ``option_importance`` (below): summed sorted scores kept by each option; for the unscored
-  attention / MLP options, the kept fraction of the parent width times the mean full-option
-  importance of the scored decisions (a stated prior, not a measurement).
+  ``option_importance`` (below): the summed sorted scores each option keeps, for every kind of
+  decision (all measured; no prior).
 - extract: ``extract/slice_hybrid.py``; the Hugging Face directory is Nemotron-H (Puzzle format
   when heterogeneous, ``models/nemotron_h.export_hf``).
 - distill: the Megatron model reads / writes Nemotron-H names (``models/hybrid``).
@@ -26,31 +25,22 @@ from typing import Any
 
 import torch
 
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MoeBlock
 from autocompress_nemo.context import Context, load_weights, read_json, save_weights
 from autocompress_nemo.utils.artifacts import write_json_atomic
-
-_FIELDS = ("experts", "expert_ffn", "shared_ffn", "mamba_heads")
-
-
-def _imp_to_dict(imp: Any) -> dict[str, Any]:
-    return {"tokens": imp.tokens, "blocks": [{f: None if getattr(b, f) is None else getattr(b, f).tolist()
-                                             for f in _FIELDS} for b in imp.blocks]}
-
-
-def _imp_from_dict(d: dict[str, Any]) -> Any:
-    from autocompress_nemo.rank.moe_mamba import BlockScores, MoeMambaImportance
-
-    return MoeMambaImportance(blocks=[BlockScores(**{f: None if b[f] is None else torch.tensor(b[f], dtype=torch.float64)
-                                                     for f in _FIELDS}) for b in d["blocks"]], tokens=int(d["tokens"]))
 
 
 # -- rank -------------------------------------------------------------------------------------------
 def rank(ctx: Context, out: Path) -> None:
-    """Expert / expert-neuron / shared-neuron / Mamba-head importance, the permutations, the sorted parent."""
-    from autocompress_nemo.rank.moe_mamba import (
+    """Importance of every dimension (``rank/moe_mamba.py``), the permutations, the sorted parent.
+
+    Writes ``scores.json`` / ``sorted_scores.json`` (``MoeMambaImportance.to_dict``: ``tokens``,
+    ``hidden``, per block ``experts``, ``expert_ffn``, ``shared_ffn``, ``mamba_heads``, ``heads``,
+    ``ffn``), ``permutations.json`` (``MoeMambaPermutations.to_dict``) and the sorted weights.
+    Hidden channels are reordered when ``search.search_hidden`` is set, as for dense parents."""
+    from autocompress_nemo.rank.moe_mamba import collect_moe_mamba_importance
+    from autocompress_nemo.rank.reorder_hybrid import (
         apply_moe_mamba_permutations,
-        collect_moe_mamba_importance,
         permutations_from_scores,
         sorted_scores,
     )
@@ -61,59 +51,53 @@ def rank(ctx: Context, out: Path) -> None:
     n_batches = max(1, int(s.calib_sequences) // int(s.batch_size))
     batches = [ctx.batch_at("calib", i, int(s.batch_size), int(s.seq_len)) for i in range(n_batches)]
     imp = collect_moe_mamba_importance(model, spec, batches, ctx.forward)
-    perms = permutations_from_scores(spec, imp)
-    write_json_atomic(out / "scores.json", _imp_to_dict(imp))
-    write_json_atomic(out / "sorted_scores.json", _imp_to_dict(sorted_scores(imp, perms)))
-    write_json_atomic(out / "permutations.json", {k: {str(g): t.tolist() for g, t in getattr(perms, k).items()}
-                                                  for k in ("experts", "expert_ffn", "shared_ffn", "mamba_groups",
-                                                            "mamba_heads")})
+    perms = permutations_from_scores(spec, imp, sort_hidden=bool(s.search_hidden))
+    write_json_atomic(out / "scores.json", imp.to_dict())
+    write_json_atomic(out / "sorted_scores.json", sorted_scores(imp, perms).to_dict())
+    write_json_atomic(out / "permutations.json", perms.to_dict())
     save_weights(out, spec, apply_moe_mamba_permutations(spec, sd, perms))
-    ctx.say(f"[rank] hybrid {spec.pattern}: {imp.tokens} calibration tokens; scored routed experts, expert / "
-            "shared-expert neurons and Mamba heads (attention / MLP blocks of hybrids are not reordered)")
+    ctx.say(f"[rank] hybrid {spec.pattern}: {imp.tokens} calibration tokens; scored and reordered routed experts, "
+            "expert / shared-expert / MLP neurons, Mamba heads, attention heads / KV groups"
+            + (", hidden channels" if perms.hidden is not None else " (hidden channels scored, kept in order)"))
 
 
 def option_importance(decisions: list[Any], sorted_imp: Any, parent: ArchSpec) -> list[list[float]]:
-    """Summed sorted scores kept by every option (see the module docstring for attention / MLP)."""
-    rows: list[list[float] | None] = []
+    """Summed sorted scores kept by every option: the first ``E'`` experts' first ``F'`` neurons, the
+    first shared / MLP neurons, the first Mamba heads, the first ``H'/G'`` query heads of each of the
+    first ``G'`` KV groups; a removed option keeps 0."""
+    from autocompress_nemo.extract.slice import kept_heads
+
+    out = []
     for d in decisions:
         s = sorted_imp.blocks[d.block_index]
-        row: list[float] | None = []
+
+        def need(name: str, d: Any = d, s: Any = s) -> torch.Tensor:
+            v = getattr(s, name)
+            if v is None:
+                raise ValueError(f"block {d.block_index} ({d.kind} decision): the rank artifact has no {name!r} "
+                                 "scores; it was written by an older build: delete the rank stage's directory and "
+                                 "run again")
+            return v
+
+        row = []
         for o in d.options:
             if o.removed:
                 row.append(0.0)
             elif d.kind == "moe_routed":
-                if s.expert_ffn is not None:
-                    row.append(float(s.expert_ffn[: o.num_experts, : o.expert_ffn].sum()))
-                else:
-                    row.append(float(s.experts[: o.num_experts].sum()) if s.experts is not None else 0.0)
+                row.append(float(need("expert_ffn")[: o.num_experts, : o.expert_ffn].sum()))
             elif d.kind == "moe_shared":
-                row.append(float(s.shared_ffn[: o.shared_ffn].sum()) if s.shared_ffn is not None else 0.0)
-            elif d.kind == "mamba" and s.mamba_heads is not None:
-                row.append(float(s.mamba_heads[: o.num_heads].sum()))
+                row.append(float(need("shared_ffn")[: o.shared_ffn].sum()))
+            elif d.kind == "mamba":
+                row.append(float(need("mamba_heads")[: o.num_heads].sum()))
+            elif d.kind == "attention":
+                hpg = parent.blocks[d.block_index].heads_per_group
+                row.append(float(need("heads")[kept_heads(hpg, o.num_kv_groups, o.heads_per_group)].sum()))
+            elif d.kind == "mlp":
+                row.append(float(need("ffn")[: o.ffn].sum()))
             else:
-                row = None
-                break
-        rows.append(row)
-    full = [r[-1] for r in rows if r]
-    scale = sum(full) / len(full) if full else 1.0
-    out = []
-    for d, r in zip(decisions, rows, strict=True):
-        if r is None:
-            p = parent.blocks[d.block_index]
-            out.append([scale * _frac(o, p) for o in d.options])
-        else:
-            out.append(r)
+                raise ValueError(f"block {d.block_index}: no importance for decisions of kind {d.kind!r}")
+        out.append(row)
     return out
-
-
-def _frac(o: Any, p: Any) -> float:
-    if o.removed:
-        return 0.0
-    if isinstance(o, AttentionBlock):
-        return o.num_heads / max(1, p.num_heads)
-    if isinstance(o, MlpBlock):
-        return o.ffn / max(1, p.ffn)
-    return 1.0
 
 
 # -- search -------------------------------------------------------------------------------------------
@@ -123,7 +107,9 @@ def search(ctx: Context, out: Path, method: str, rank_dir: Path, table_path: Pat
     from autocompress_nemo import stages
 
     spec, sd = load_weights(rank_dir)
-    imp = _imp_from_dict(read_json(rank_dir / "sorted_scores.json"))
+    from autocompress_nemo.rank.moe_mamba import MoeMambaImportance
+
+    imp = MoeMambaImportance.from_dict(read_json(rank_dir / "sorted_scores.json"))
     stages.search_core(ctx, out, method, spec, sd, lambda ds: option_importance(ds, imp, spec), table_path,
                        validation_dir, ckpt_dir, describe=describe)
 
