@@ -42,6 +42,14 @@ def barrier() -> None:
         dist.barrier()
 
 
+# Artifact layouts that changed in a way older artifacts cannot serve: a stage listed here puts
+# its version into its input hash, so a run directory written by older code recomputes the stage
+# instead of handing the next stage files it cannot read. Bump a stage's number when its
+# artifact's content changes meaning. rank 2: hybrid scores / permutations gained attention
+# heads, dense-MLP neurons and hidden channels.
+ARTIFACT_VERSIONS: dict[str, int] = {"rank": 2}
+
+
 class Run:
     """The run directory of one pipeline invocation."""
 
@@ -59,12 +67,15 @@ class Run:
             out[k] = OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) else v
         return out
 
-    def config_hash(self, keys: tuple[str, ...], inputs: list[Path]) -> str:
+    def config_hash(self, keys: tuple[str, ...], inputs: list[Path], name: str = "") -> str:
         ins = {}
         for p in inputs:  # what the inputs hold (their checksums), not only how they were made
             m = read_manifest(p)
             ins[p.name] = hash_obj(m.get("files")) if m else None
-        return hash_obj({"sections": self.section(*keys), "inputs": ins})
+        key: dict[str, Any] = {"sections": self.section(*keys), "inputs": ins}
+        if name in ARTIFACT_VERSIONS:
+            key["artifact_version"] = ARTIFACT_VERSIONS[name]
+        return hash_obj(key)
 
     def ckpt_dir(self, name: str) -> Path:
         d = self.dir / f"{name}.ckpt"
@@ -81,7 +92,7 @@ class Run:
         """Run ``fn(tmp_dir)`` unless ``<run_dir>/<name>`` is complete for the same inputs."""
         inputs = inputs or []
         final = self.dir / name
-        h = self.config_hash(keys, inputs)
+        h = self.config_hash(keys, inputs, name)
         if is_complete(final, h):
             self.say(f"[{name}] skipped: artifact complete for the same inputs ({final})")
             return final

@@ -77,3 +77,14 @@ def test_quick_preset_lightens_profiling_only_through_a_copy() -> None:
     assert "rounds" not in cfg.target.engine.settings  # the composed config is not mutated
     default = compose([])
     assert with_profile_settings(default) is default
+
+
+def test_artifact_version_bump_recomputes_that_stage(tmp_path, capsys, monkeypatch) -> None:
+    """A rank artifact written by code with another artifact layout is recomputed, not read."""
+    from autocompress_nemo import pipeline
+
+    _run(tmp_path, capsys)
+    monkeypatch.setitem(pipeline.ARTIFACT_VERSIONS, "rank", pipeline.ARTIFACT_VERSIONS["rank"] + 1)
+    _, again = _run(tmp_path, capsys)
+    assert "[profile] skipped" in again
+    assert "[rank] recomputing: config changed" in again
