@@ -186,7 +186,7 @@ def test_parallel_distill_matches_one_process(megatron_tp1, tmp_path: Path, tp: 
 
     ref = _parallel_run(0, 1, 1, str(tmp_path / "ref"), 4)
     outs = spawn(_parallel_run, 2, tp, str(tmp_path / "par"), 4)
-    assert outs[0]["world"] == ({"dp": 2, "tp": 1, "pp": 1} if tp == 1 else {"dp": 1, "tp": 2, "pp": 1})
+    assert outs[0]["world"] == ({"dp": 2, "tp": 1, "pp": 1, "ep": 1} if tp == 1 else {"dp": 1, "tp": 2, "pp": 1, "ep": 1})
     for o in outs:
         assert o["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
         for k, v in ref["weights"].items():

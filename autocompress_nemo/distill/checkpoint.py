@@ -4,7 +4,9 @@ Layout under ``<out_dir>/checkpoints``::
 
     step_000050/mp_tp00_pp000.pt   model + optimizer (+ scheduler) + RNG states + history, one
                                    file per model-parallel shard, written by DP rank 0 of each
-    latest.json                    {"step": 50, "dir": "step_000050", "tp": 1, "pp": 1, "fingerprint": ...}
+    step_000050/mp_tp00_ep01_pp000.pt  under expert parallelism: one file per (TP, EP, PP) shard,
+                                   written by expert-DP rank 0 of each (EP rank e holds its own experts)
+    latest.json                    {"step": 50, "dir": "step_000050", "tp": 1, "pp": 1, "ep": 1, "fingerprint": ...}
 
 Every file is written to a temporary name and renamed into place; ``latest.json`` is
 written by rank 0 only after every shard of that step exists (a barrier), so a job killed
@@ -64,7 +66,7 @@ def _megatron_tracker() -> Any:
         return None
 
 
-def _save_atomic(obj: Any, path: Path) -> None:
+def save_atomic(obj: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
@@ -85,7 +87,7 @@ class CheckpointStore:
 
     @property
     def shard_name(self) -> str:
-        return f"mp_tp{self.par.tp_rank:02d}_pp{self.par.pp_rank:03d}.pt"
+        return f"{self.par.shard_name}.pt"
 
     def latest(self) -> dict[str, Any] | None:
         p = self.root / "latest.json"
@@ -100,12 +102,12 @@ class CheckpointStore:
         """Write this rank's shard of step ``step`` and (rank 0) move ``latest.json`` to it."""
         step_dir = self.root / f"step_{step:06d}"
         if self.par.writes_checkpoint:
-            _save_atomic(state, step_dir / self.shard_name)
+            save_atomic(state, step_dir / self.shard_name)
         self.par.barrier()
         if self.par.is_rank0:
             write_json_atomic(self.root / "latest.json", {
                 "step": step, "dir": step_dir.name, "tp": self.par.tp_size, "pp": self.par.pp_size,
-                "dp": self.par.dp_size, "fingerprint": self.fingerprint,
+                "ep": self.par.ep_size, "dp": self.par.dp_size, "fingerprint": self.fingerprint,
             })
             old = sorted(d for d in self.root.glob("step_*") if d.is_dir() and d.name != step_dir.name)
             for d in old[: max(0, len(old) - (self.keep - 1))]:
@@ -117,7 +119,7 @@ class CheckpointStore:
         """This rank's shard of the latest checkpoint, or ``None`` (nothing to resume from).
 
         A checkpoint of another configuration (different steps, batch, learning rate...) is
-        not resumed: the run starts over and says why. A checkpoint of another TP/PP layout
+        not resumed: the run starts over and says why. A checkpoint of another TP/PP/EP layout
         is an error that names the fix.
         """
         meta = self.latest()
@@ -127,10 +129,12 @@ class CheckpointStore:
             log(f"distill: checkpoint {self.root} was written for another configuration "
                 f"({meta.get('fingerprint')} != {self.fingerprint}); starting from step 0")
             return None
-        if (meta.get("tp"), meta.get("pp")) != (self.par.tp_size, self.par.pp_size):
+        here = (self.par.tp_size, self.par.pp_size, self.par.ep_size)
+        if (meta.get("tp"), meta.get("pp"), meta.get("ep", 1)) != here:
             raise ValueError(
-                f"distill checkpoint {self.root} was written with TP={meta.get('tp')} PP={meta.get('pp')}, this run "
-                f"has TP={self.par.tp_size} PP={self.par.pp_size}: resume with the same cluster.tp/cluster.pp, "
+                f"distill checkpoint {self.root} was written with TP={meta.get('tp')} PP={meta.get('pp')} "
+                f"EP={meta.get('ep', 1)}, this run has TP={self.par.tp_size} PP={self.par.pp_size} "
+                f"EP={self.par.ep_size}: resume with the same cluster.tp/cluster.pp/cluster.ep, "
                 f"or delete {self.root} to start over"
             )
         path = self.root / meta["dir"] / self.shard_name

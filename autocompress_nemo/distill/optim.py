@@ -2,11 +2,21 @@
 
 - ``TorchAdamW`` (CPU, or any ``torch.nn.Module``): ``torch.optim.AdamW``; the schedule of
   ``schedule.lr_at`` is written into the param groups before each step. Under
-  torch.distributed the gradients are averaged over the data-parallel group
-  (``all_reduce(SUM) / dp``); parameters marked ``sequence_parallel`` (Transformer Engine
-  norms) get their gradient summed over the tensor-parallel group, as Megatron's
-  ``finalize_model_grads`` does. Clipping uses the global norm over TP shards (replicated
-  parameters counted once).
+  torch.distributed the gradients are reduced as Megatron's DDP reduces them
+  (``reduce_gradients``, with ``dp`` the data-parallel size):
+
+  * replicated (dense) parameters: ``g <- all_reduce_DP(g) / dp``;
+  * routed-expert parameters under expert parallelism (Megatron marks them
+    ``allreduce=False``): each EP rank holds other experts, which already received the tokens
+    of every rank of their EP group through the token dispatcher, so
+    ``g <- all_reduce_EDP(g) / dp`` over the *expert*-data-parallel group (size
+    ``dp / ep`` at TP=1), never summed with another rank's experts;
+  * parameters marked ``sequence_parallel`` (Transformer Engine norms) are first summed over
+    the tensor-parallel group, as Megatron's ``finalize_model_grads`` does.
+
+  Clipping uses the global norm ``sqrt(sum_dense g^2 + sum_expert g^2)`` (``global_grad_norm``):
+  dense TP shards summed over TP (replicated parameters counted once), expert shards summed over
+  the expert tensor-and-model-parallel group (each expert counted once).
 - ``MegatronAdam`` (GPU, Megatron model): Megatron's ``DistributedDataParallel`` wrapper,
   ``get_megatron_optimizer`` (Adam, decoupled weight decay, clipping, fp16/bf16 master
   weights) and ``OptimizerParamScheduler``; ``finalize_model_grads`` does the DP
@@ -39,7 +49,13 @@ def opt_field(cfg: Any, key: str, default: Any) -> Any:
 
 @dataclass
 class Parallel:
-    """Where this process sits: data-parallel and tensor-parallel ranks and groups."""
+    """Where this process sits: data-, tensor-, pipeline- and expert-parallel ranks and groups.
+
+    ``dp_*``: the dense data-parallel group (world / (TP x PP)); ``ep_*``: the expert-model-parallel
+    group (ranks holding different routed experts); ``edp_*``: the expert-data-parallel group (ranks
+    holding the same experts, world / (ETP x EP x PP)); ``etp_*``: expert tensor parallelism;
+    ``expert_mp_group``: ETP x EP (every expert shard once). Without EP the expert groups equal the
+    dense ones."""
 
     rank: int = 0
     world: int = 1
@@ -51,6 +67,15 @@ class Parallel:
     tp_group: Any = None
     pp_rank: int = 0
     pp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep_group: Any = None
+    edp_rank: int = 0
+    edp_size: int = 1
+    edp_group: Any = None
+    etp_rank: int = 0
+    etp_size: int = 1
+    expert_mp_group: Any = None
 
     @property
     def is_rank0(self) -> bool:
@@ -58,8 +83,20 @@ class Parallel:
 
     @property
     def writes_checkpoint(self) -> bool:
-        """One copy of each model-parallel shard: the data-parallel rank 0 of every TP/PP group."""
-        return self.dp_rank == 0
+        """One copy of each model-parallel shard: the (expert-)data-parallel rank 0 of every
+        TP/EP/PP group. Under EP the shard is ``(tp, ep, pp)``: rank ``ep`` holds its own experts,
+        so the expert-data-parallel rank decides (the dense parameters are the same on all)."""
+        return self.dp_rank == 0 if self.ep_size == 1 else self.edp_rank == 0
+
+    @property
+    def shard_name(self) -> str:
+        """``mp_tp{tp}_pp{pp}``; under EP ``mp_tp{tp}_ep{ep}_pp{pp}`` (one file per expert shard)."""
+        ep = f"_ep{self.ep_rank:02d}" if self.ep_size > 1 else ""
+        return f"mp_tp{self.tp_rank:02d}{ep}_pp{self.pp_rank:03d}"
+
+    @property
+    def layout(self) -> dict[str, int]:
+        return {"dp": self.dp_size, "tp": self.tp_size, "pp": self.pp_size, "ep": self.ep_size}
 
     @classmethod
     def detect(cls) -> Parallel:
@@ -78,8 +115,15 @@ class Parallel:
             p.tp_rank, p.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
             p.tp_group = ps.get_tensor_model_parallel_group()
             p.pp_rank, p.pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+            p.ep_rank, p.ep_size = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+            p.ep_group = ps.get_expert_model_parallel_group()
+            p.edp_group = ps.get_expert_data_parallel_group(with_gtp_remat=False)
+            p.edp_rank, p.edp_size = p.edp_group.rank(), p.edp_group.size()
+            p.etp_rank, p.etp_size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+            p.expert_mp_group = ps.get_expert_tensor_and_model_parallel_group()
         else:  # every process is a data-parallel replica
             p.dp_rank, p.dp_size = p.rank, p.world
+            p.edp_rank, p.edp_size = p.rank, p.world
         return p
 
     def mean_over_dp(self, value: float) -> float:
@@ -98,8 +142,55 @@ def _is_tp_shard(p: torch.nn.Parameter) -> bool:
     return bool(getattr(p, "tensor_model_parallel", False))
 
 
+def is_expert_parallel(p: torch.nn.Parameter) -> bool:
+    """A routed-expert parameter sharded over EP: Megatron's ``allreduce=False`` marking (set when
+    ``expert_model_parallel_size > 1`` or expert TP differs from TP)."""
+    return not getattr(p, "allreduce", True)
+
+
+def reduce_gradients(params: list[torch.nn.Parameter], par: Parallel) -> None:
+    """Megatron DDP's gradient reduction (module docstring): sequence-parallel parameters summed over
+    TP; dense ``all_reduce_DP(g) / dp``; EP-sharded experts ``all_reduce_EDP(g) / dp``. A missing
+    gradient becomes zeros (every rank must join every collective)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if par.tp_size > 1 and getattr(p, "sequence_parallel", False):
+            dist.all_reduce(p.grad, group=par.tp_group)
+        if par.dp_size == 1:
+            continue
+        if is_expert_parallel(p):
+            if par.edp_size > 1:
+                dist.all_reduce(p.grad, group=par.edp_group)
+        else:
+            dist.all_reduce(p.grad, group=par.dp_group)
+        p.grad.div_(par.dp_size)
+
+
+def global_grad_norm(params: list[torch.nn.Parameter], par: Parallel) -> float:
+    """L2 norm of the full (unsharded) gradient, ``sqrt(sum_dense g^2 + sum_expert g^2)``: dense TP
+    shards summed over TP, replicated parameters counted once (TP rank 0); EP-sharded experts summed
+    over ETP x EP, expert-TP-replicated ones counted once (ETP rank 0)."""
+    dense = torch.zeros((), dtype=torch.float64)
+    expert = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().double().pow(2).sum().cpu()
+        if is_expert_parallel(p):
+            if par.etp_size == 1 or _is_tp_shard(p) or par.etp_rank == 0:
+                expert += sq
+        elif par.tp_size == 1 or _is_tp_shard(p) or par.tp_rank == 0:
+            dense += sq
+    if par.tp_size > 1:
+        dist.all_reduce(dense, group=par.tp_group)
+    if par.ep_size * par.etp_size > 1 and par.expert_mp_group is not None:
+        dist.all_reduce(expert, group=par.expert_mp_group)
+    return math.sqrt(float(dense + expert))
+
+
 class TorchAdamW:
-    """Plain PyTorch AdamW with the warm-up + cosine schedule and DP/TP gradient handling."""
+    """Plain PyTorch AdamW with the warm-up + cosine schedule and DP/TP/EP gradient handling."""
 
     name = "torch.optim.AdamW"
 
@@ -124,29 +215,11 @@ class TorchAdamW:
         self.opt.zero_grad(set_to_none=True)
 
     def _reduce_grads(self) -> None:
-        par = self.par
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if par.tp_size > 1 and getattr(p, "sequence_parallel", False):
-                dist.all_reduce(p.grad, group=par.tp_group)
-            if par.dp_size > 1:
-                dist.all_reduce(p.grad, group=par.dp_group)
-                p.grad.div_(par.dp_size)
+        reduce_gradients(self.params, self.par)
 
     def grad_norm(self) -> float:
-        """L2 norm of the full (unsharded) gradient: TP shards summed over the TP group,
-        replicated parameters counted once."""
-        par = self.par
-        sq = torch.zeros((), dtype=torch.float64)
-        for p in self.params:
-            if p.grad is None:
-                continue
-            if par.tp_size == 1 or _is_tp_shard(p) or par.tp_rank == 0:
-                sq += p.grad.detach().double().pow(2).sum().cpu()
-        if par.tp_size > 1:
-            dist.all_reduce(sq, group=par.tp_group)
-        return math.sqrt(float(sq))
+        """``global_grad_norm``: the norm of the full gradient, every shard counted once."""
+        return global_grad_norm(self.params, self.par)
 
     def step(self, step: int) -> float:
         self._reduce_grads()

@@ -12,7 +12,10 @@ Budget: ``steps = max(1, distill.tokens // (distill.batch_size * distill.seq_len
 Data: ``batch_at(step)`` returns the step's *global* batch ``[B, T]`` and must be
 deterministic (the same tensor for the same step in every process and every run); each
 data-parallel rank takes its contiguous ``B / dp`` rows and gradients are averaged over DP,
-so a DP run follows the single-process run.
+so a DP run follows the single-process run. Under expert parallelism (world = DP x EP at TP=1)
+each rank still takes ``B / dp`` rows; routed experts see the rows of every EP rank through the
+token dispatcher, and their gradients are reduced over the expert-data-parallel group only
+(``optim.reduce_gradients``), so EP=2 follows EP=1 too (tests/test_ep_stages.py).
 
 Resume: checkpoints every ``distill.checkpoint_every`` steps (and at the end) hold model,
 optimizer, scheduler, step, RNG states and the per-step history; ``distill`` started again
@@ -266,7 +269,7 @@ def distill(
         "optimizer": opt.name,
         "temperature": temperature,
         "intermediate_weight": w_hidden,
-        "world": {"dp": par.dp_size, "tp": par.tp_size, "pp": par.pp_size},
+        "world": par.layout,
         "checkpoint": str(last_ckpt) if last_ckpt else None,
         "tensorboard": str(out / "tensorboard"),
     }

@@ -3,11 +3,29 @@ two-sided resource penalty on the expected cost from the differentiable predicto
 
 The teacher is the same sorted parent with masks off (the supernet shares its weights),
 so a search step costs one teacher forward and one masked student forward + backward.
-Under tensor parallelism the distillation gradient of the router logits is summed over
-the TP group (each rank's masks only touch its own heads / neurons); the penalty's
-gradient is computed identically on every rank and added after that reduction. Gumbel
-noise comes from a generator seeded the same on every rank, so every rank takes the
-same step and TP=2 gives the same ``arch.json`` as TP=1.
+
+Parallel runs (``g`` the router-logit gradient of this rank's KD loss ``kd_r``):
+
+- tensor parallelism: ``g`` is summed over the TP group (each rank's masks only touch its own
+  heads / neurons);
+- data parallelism, and expert parallelism (world = DP x EP at TP=1): each DP rank takes its
+  ``B / dp`` rows of the step's global batch (the whole batch when ``dp`` does not divide ``B``)
+  and ``g <- all_reduce_DP(g) / dp``. That is the gradient of the global mean KD also under EP,
+  where a rank's expert-ffn masks act on the tokens of every EP rank (its local experts compute
+  them): autograd already sends those contributions to the rank that applied the mask, so the
+  sum over ranks counts every use of every mask once. Shared weights (``train_weights``) are
+  reduced as Megatron's DDP does (``distill.optim.reduce_gradients``: experts over the
+  expert-data-parallel group);
+- the penalty's gradient is computed identically on every rank and added after the reduction.
+  Gumbel noise comes from a generator seeded the same on every rank, so every rank takes the
+  same step: TP=2 and EP=2 give the same ``arch.json`` as one process (tests/test_method_tp.py,
+  tests/test_ep_stages.py).
+
+Checkpoint (``checkpoint``, every ``cfg.checkpoint_every`` steps): the router, its optimizer and
+the Gumbel generator (the same on every rank) in one file written by rank 0; with
+``train_weights`` on more than one process the shared weights and their optimizer go to one file
+per model-parallel shard, ``<checkpoint>.<mp_tp.._ep.._pp..>.step<N>.pt``, written before the
+router file names step N (so a kill leaves the previous complete checkpoint).
 """
 
 from __future__ import annotations
@@ -16,14 +34,16 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from autocompress_nemo.arch.spec import ArchSpec, Block
+from autocompress_nemo.distill.checkpoint import save_atomic
 from autocompress_nemo.distill.kd import kd_loss
-from autocompress_nemo.distributed.state import tensor_parallel
+from autocompress_nemo.distill.optim import Parallel, reduce_gradients
 from autocompress_nemo.search.router import Router, temperature, two_sided_penalty
 from autocompress_nemo.search.space import Decision, apply_choices
 from autocompress_nemo.search.supernet import Supernet
@@ -44,9 +64,66 @@ class SearchOutcome:
     wall_s: float = 0.0
 
 
-def _tp_group() -> tuple[Any, int]:
-    group, _, world = tensor_parallel()
-    return group, world
+def _local_rows(x_BT: torch.Tensor, par: Parallel) -> torch.Tensor:
+    """This DP rank's contiguous ``B / dp`` rows; all ``B`` when ``dp`` does not divide ``B``."""
+    if par.dp_size == 1 or x_BT.shape[0] % par.dp_size:
+        return x_BT
+    n = x_BT.shape[0] // par.dp_size
+    return x_BT[par.dp_rank * n : (par.dp_rank + 1) * n]
+
+
+def _reduce_router_grads(params: list[torch.nn.Parameter], par: Parallel) -> None:
+    """``g <- all_reduce_DP(all_reduce_TP(g)) / dp`` over all router logits in one flat tensor."""
+    if par.tp_size == 1 and par.dp_size == 1:
+        return
+    flat = torch.cat([torch.zeros(p.numel()) if p.grad is None else p.grad.reshape(-1) for p in params])
+    if par.tp_size > 1:
+        dist.all_reduce(flat, group=par.tp_group)
+    if par.dp_size > 1:
+        dist.all_reduce(flat, group=par.dp_group)
+        flat.div_(par.dp_size)
+    for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
+        p.grad = g.view_as(p).clone()
+
+
+def _shard_file(checkpoint: str, par: Parallel, step: int) -> Path:
+    return Path(f"{checkpoint}.{par.shard_name}.step{step:06d}.pt")
+
+
+def _save_checkpoint(checkpoint: str, par: Parallel, st: dict[str, Any], weights: dict[str, Any] | None) -> None:
+    """Weights per shard first (more than one process), then the router file by rank 0 (module docstring)."""
+    step = int(st["step"])
+    if weights is not None and par.world > 1:
+        if par.writes_checkpoint:
+            save_atomic(weights, _shard_file(checkpoint, par, step))
+        st = {**st, "weights_layout": par.layout}
+    elif weights is not None:
+        st = {**st, **weights}
+    par.barrier()
+    if par.is_rank0:
+        save_atomic(st, Path(checkpoint))
+        for old in Path(checkpoint).parent.glob(f"{Path(checkpoint).name}.mp_*.step*.pt"):
+            if not old.name.endswith(f".step{step:06d}.pt"):
+                old.unlink(missing_ok=True)
+    par.barrier()
+
+
+def _load_weights(checkpoint: str, par: Parallel, st: dict[str, Any]) -> dict[str, Any]:
+    """The shared weights saved with router checkpoint ``st`` for this rank's shard."""
+    if par.world == 1:
+        if "weights" not in st:
+            raise ValueError(f"search checkpoint {checkpoint} holds no shared weights but train_weights is on; "
+                             f"delete {checkpoint} to start over")
+        return st
+    if st.get("weights_layout") != par.layout:
+        raise ValueError(f"search checkpoint {checkpoint} was written with layout {st.get('weights_layout')}, this "
+                         f"run has {par.layout}: resume with the same cluster.tp/ep/pp and processes, or delete "
+                         f"{checkpoint} to start over")
+    path = _shard_file(checkpoint, par, int(st["step"]))
+    if not path.is_file():
+        raise FileNotFoundError(f"search checkpoint {checkpoint} (step {st['step']}) has no weight shard {path}; "
+                                f"delete {checkpoint} to start over")
+    return torch.load(path, weights_only=False)
 
 
 def check_budget_reachable(
@@ -96,7 +173,8 @@ def run_router_search(
     wopt = torch.optim.Adam(weight_params, lr=cfg.weight_lr) if weight_params else None
     gen = torch.Generator().manual_seed(seed)
     options = [list(d.options) for d in decisions]
-    group, tp_world = _tp_group()
+    par = Parallel.detect()
+    router_params = list(router.parameters())
     start, trajectory, tokens = 0, [], 0
     if checkpoint and os.path.exists(checkpoint):
         st = torch.load(checkpoint, weights_only=False)
@@ -104,30 +182,31 @@ def run_router_search(
         opt.load_state_dict(st["opt"])
         gen.set_state(st["gen"])
         start, trajectory, tokens = st["step"], st["trajectory"], st["tokens"]
-        if wopt is not None and "weights" in st:
-            model.load_state_dict(st["weights"], strict=False)
-            wopt.load_state_dict(st["wopt"])
+        if wopt is not None:
+            w = _load_weights(checkpoint, par, st)
+            model.load_state_dict(w["weights"], strict=False)
+            wopt.load_state_dict(w["wopt"])
         log(f"search: resumed at step {start}")
     t0 = time.time()
     for step in range(start, cfg.steps):
         tau = temperature(step, cfg.steps, cfg.tau_start, cfg.tau_end)
         x = batch_at(step)
+        rows = _local_rows(x, par)
         supernet.enabled = False
         with torch.no_grad():
-            t_logits = forward(model, x)
+            t_logits = forward(model, rows)
         supernet.enabled = True
         sample = router.sample(tau, gen)
         supernet.set_choice_weights(sample)
-        s_logits = forward(model, x)
+        s_logits = forward(model, rows)
         kd = kd_loss(s_logits, t_logits, cfg.kd_temperature)
         opt.zero_grad(set_to_none=True)
         if wopt is not None:
             wopt.zero_grad(set_to_none=True)
         kd.backward()
-        if tp_world > 1:
-            for p in router.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=group)
+        _reduce_router_grads(router_params, par)
+        if wopt is not None and par.world > 1:
+            reduce_gradients(weight_params, par)
         probs = router.probs()
         exp = costs.expected(options, probs, parent)
         pen = sum(
@@ -142,7 +221,7 @@ def run_router_search(
         row = {
             "step": step,
             "tau": tau,
-            "kd": float(kd.detach()),
+            "kd": par.mean_over_dp(float(kd.detach())),
             "penalty": float(pen.detach()) if torch.is_tensor(pen) else float(pen),
             "entropy": router.entropy(),
             **{f"expected_{m}": float(exp[m].detach()) for m in budgets},
@@ -158,12 +237,8 @@ def run_router_search(
         if checkpoint and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             st = {"router": router.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
                   "step": step + 1, "trajectory": trajectory, "tokens": tokens}
-            if wopt is not None:
-                st["weights"] = model.state_dict()
-                st["wopt"] = wopt.state_dict()
-            tmp = f"{checkpoint}.tmp-{os.getpid()}"
-            torch.save(st, tmp)
-            os.replace(tmp, checkpoint)
+            weights = {"weights": model.state_dict(), "wopt": wopt.state_dict()} if wopt is not None else None
+            _save_checkpoint(checkpoint, par, st, weights)
     supernet.remove()
     return SearchOutcome(
         choices=router.choices(),

@@ -27,7 +27,14 @@ options' keep-indicators. For routed experts the expected keep-mask ``m_e`` scal
 ``m_e >= 0.5`` (an expert is excluded from top-k when most of the option weight drops it): a
 straight-through-style relaxation, exact for one-hot choices. Group-limited routing, token
 dropping and expert tensor parallelism are not supported with routed-expert decisions (a clear
-error). Under EP the router runs on every rank with the full expert set, so masks are global.
+error).
+
+Expert parallelism: the MoE router is replicated and scores all ``E`` experts on every rank, so the
+expert keep-mask ``m_e`` and the top-k weights index *global* (sorted) experts and act on this
+rank's tokens; the expert-ffn mask is applied inside each rank's *local* experts (global ffn
+index, no expert TP), i.e. to the tokens of every EP rank that the dispatcher sent there. Summing
+the router-logit gradients over the data-parallel ranks therefore counts every use of every mask
+once (``autocompress.run_router_search``); EP=2 equals EP=1 in tests/test_ep_stages.py.
 """
 
 from __future__ import annotations
