@@ -109,3 +109,55 @@ def test_tp2_forward_matches_tp1_hybrid(megatron_tp1):
     ref, _ = run_tp(0, 1, spec.to_json(), hf_sd, x)
     for logits, exact in spawn(run_tp, 2, spec.to_json(), hf_sd, x):
         assert exact and (logits - ref).abs().max().item() < TOL
+
+
+def run_kd_train(rank: int, world: int, spec_json: str, student_sd: dict, teacher_sd: dict,
+                 batches: list[torch.Tensor]) -> dict:
+    """``kd_train`` (Minitron++ retraining, search warm-up) at EP=``world``: every rank passes the
+    same global batches. Returns the gradients Adam received at its first step (full set, experts
+    gathered from the EP ranks) and the loss history."""
+    from autocompress_nemo.distill import kd
+    from autocompress_nemo.distributed import init_distributed
+    from autocompress_nemo.models.builder import build_model, forward_logits
+    from autocompress_nemo.models.hybrid import hf_to_megatron, megatron_to_hf
+
+    spec = ArchSpec.from_json(spec_json)
+    init_distributed(tp=1, ep=world, seed=0)
+    student, teacher = build_model(spec).train(), build_model(spec).eval()
+    hf_to_megatron(spec, student_sd, student)
+    hf_to_megatron(spec, teacher_sd, teacher)
+    seen: dict = {}
+
+    class Recording(torch.optim.SGD):  # stands in for Adam: records the reduced gradients, then steps
+        def __init__(self, params, lr):  # noqa: ANN001
+            super().__init__(params, lr=lr)
+
+        def step(self, closure=None):  # noqa: ANN001, ANN202
+            if not seen:
+                seen.update(megatron_to_hf(spec, student, grads=True))
+            return super().step(closure)
+
+    kd.torch.optim.Adam = Recording  # the module's torch is this process's torch (a spawned process)
+    losses = kd.kd_train(student, lambda x: forward_logits(teacher, x), lambda x: forward_logits(student, x),
+                         batches, lr=1e-2)
+    return {"grads": seen, "losses": losses}
+
+
+def test_kd_train_ep2_matches_ep1(megatron_tp1):
+    """Every rank runs the same batches, so each routed expert sees each token twice under EP=2;
+    ``kd_train`` must divide those gradients by the data-parallel size (as Megatron's DDP does) —
+    without that the expert gradients come out 2x (Adam would hide most of it, the gradients
+    do not)."""
+    spec = conf_spec("tiny_moe")
+    s_sd, t_sd = random_hf_state_dict(spec, seed=5), random_hf_state_dict(spec, seed=6)
+    batches = [ids(spec, T=12, B=2, seed=s) for s in (3, 4)]
+    ref = run_kd_train(0, 1, spec.to_json(), s_sd, t_sd, batches)
+    worst = 0.0
+    for out in spawn(run_kd_train, 2, spec.to_json(), s_sd, t_sd, batches):
+        assert set(out["grads"]) == set(ref["grads"])
+        for k, g in ref["grads"].items():
+            assert g.abs().max() > 0, f"{k}: zero reference gradient"
+            worst = max(worst, ((out["grads"][k] - g).abs().max() / g.abs().max()).item())
+        assert max(abs(a - b) for a, b in zip(out["losses"], ref["losses"], strict=True)) < TOL
+    print(f"kd_train EP=2 vs EP=1: max relative gradient difference {worst:.2e}")
+    assert worst < TOL

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from autocompress_nemo.distill.optim import Parallel, reduce_gradients
+
 
 def kd_loss(student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Forward KL(teacher || student) on softened logits, mean over tokens, scaled by T^2.
@@ -37,9 +39,15 @@ def kd_train(
     lr: float,
     temperature: float = 1.0,
 ) -> list[float]:
-    """Plain PyTorch KD steps (Adam) over ``batches``; returns the loss per step."""
+    """Plain PyTorch KD steps (Adam) over ``batches``; returns the loss per step.
+
+    Under torch.distributed every rank passes the same global batches: gradients are reduced as
+    Megatron's DDP does (``optim.reduce_gradients``): replicated parameters averaged over
+    data-parallel ranks (all equal here), EP-sharded experts — which saw every rank's copy of
+    the batch — divided by the data-parallel size, so EP=2 follows the one-process run."""
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=lr)
+    par = Parallel.detect()
     losses = []
     for x in batches:
         with torch.no_grad():
@@ -47,6 +55,8 @@ def kd_train(
         loss = kd_loss(student_logits(x), t, temperature)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if par.world > 1:
+            reduce_gradients(params, par)
         opt.step()
         losses.append(float(loss.detach()))
     return losses
