@@ -88,8 +88,12 @@ class Run:
         fn: Callable[[Path], dict[str, Any] | None],
         keys: tuple[str, ...],
         inputs: list[Path] | None = None,
+        rank0_only: bool = False,
     ) -> Path:
-        """Run ``fn(tmp_dir)`` unless ``<run_dir>/<name>`` is complete for the same inputs."""
+        """Run ``fn(tmp_dir)`` unless ``<run_dir>/<name>`` is complete for the same inputs.
+
+        ``rank0_only``: under torch.distributed only rank 0 runs ``fn`` (engine profiling: copies
+        timed at once on one machine would disturb each other); the others wait at the barrier."""
         inputs = inputs or []
         final = self.dir / name
         h = self.config_hash(keys, inputs, name)
@@ -106,7 +110,7 @@ class Run:
         if is_rank0():
             with artifact(final, stage=name, config_hash=h, inputs={p.name: str(p) for p in inputs}) as tmp:
                 fn(tmp)
-        else:  # other ranks compute too (collectives) but write into a scratch directory
+        elif not rank0_only:  # other ranks compute too (collectives) but write into a scratch directory
             with tempfile.TemporaryDirectory(prefix=f"{name}-rank") as scratch:
                 fn(Path(scratch))
         barrier()

@@ -88,3 +88,29 @@ def test_artifact_version_bump_recomputes_that_stage(tmp_path, capsys, monkeypat
     _, again = _run(tmp_path, capsys)
     assert "[profile] skipped" in again
     assert "[rank] recomputing: config changed" in again
+
+
+def _stage_on_rank(rank: int, world: int, run_dir: str) -> dict:
+    from omegaconf import OmegaConf
+
+    from autocompress_nemo.pipeline import Run
+
+    run = Run(OmegaConf.create({"run_dir": run_dir, "x": 1}), say=lambda s: None)
+    calls = []
+
+    def fn(d):  # noqa: ANN001, ANN202
+        calls.append(rank)
+        (d / "out.txt").write_text("done")
+
+    final = run.stage("profile", fn, ("x",), rank0_only=True)
+    return {"calls": calls, "written": (final / "out.txt").read_text()}
+
+
+@pytest.mark.distributed
+def test_rank0_only_stage_runs_once_and_every_rank_sees_it(tmp_path) -> None:
+    """Engine profiling runs on rank 0 alone; the other ranks wait and then read its artifact."""
+    from autocompress_nemo.distributed.spawn import spawn
+
+    out = spawn(_stage_on_rank, 2, str(tmp_path / "run"))
+    assert [o["calls"] for o in out] == [[0], []]
+    assert all(o["written"] == "done" for o in out)

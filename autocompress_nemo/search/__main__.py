@@ -40,11 +40,12 @@ def run_pipeline(cfg: DictConfig) -> dict[str, Any]:
     out: dict[str, Any] = {"run_dir": str(run.dir)}
 
     # profile + validate: the cost table of the target and its measured error
-    prof = run.stage("profile", lambda d: _profile(cfg, d), ("target", "model", "search.ffn_options"))
+    prof = run.stage("profile", lambda d: _profile(cfg, d), ("target", "model", "search.ffn_options"), rank0_only=True)
     table = prof / "cost_table" / "cost_table.json"
     validation = vdir = None
     if "validate" in wanted:
-        validation = run.stage("validate", lambda d: _validate(cfg, table, d), ("target", "model", "seed"), [prof])
+        validation = run.stage("validate", lambda d: _validate(cfg, table, d), ("target", "model", "seed"), [prof],
+                               rank0_only=True)
         vdir = validation / "validation"
     if not wanted & {"rank", "search", "extract", "distill", "evaluate", "export"}:
         return out
