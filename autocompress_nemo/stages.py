@@ -154,6 +154,8 @@ def search_core(ctx: Context, out: Path, method: str, spec: ArchSpec, sd: dict[s
     rec = arch_record(method, spec, child, decisions, outcome.probs, outcome.choices, final, pred,
                       predictor.predict(spec), budget, outcome.tokens, r_steps, g_steps, predictor.table.label)
     rec.update(budget_reference=how, params=param_count(child), search_wall_s=round(outcome.wall_s, 2))
+    if method == "minitron_pp" and hasattr(outcome, "record"):  # Minitron++'s depth axis (search/minitron.py)
+        rec["minitron"] = outcome.record()
     write_json_atomic(out / "arch.json", rec)
     write_json_atomic(out / "trajectory.json", outcome.trajectory)
     _plot_trajectory(outcome.trajectory, out / "trajectory.png", method)
@@ -311,6 +313,10 @@ def evaluate(ctx: Context, out: Path, rank_dir: Path, table_path: Path, validati
         spec, sd = load_weights(d)
         ctx.say(f"[evaluate] {name} before recovery: held-out perplexity")
         results["before_recovery"][name] = heldout_perplexity(ctx, spec, sd, lm_eval=False)
+    from autocompress_nemo.pipeline import is_rank0
+
+    if not is_rank0():  # engine timings run once (rank 0): concurrent copies would disturb each other
+        return
     engine = get_engine(cfg.target, workdir=out / "engine_work")
     wl = Workload.from_config(cfg.target.workload)
     specs = [models[n][0].replace(name=n) for n in models]
@@ -381,9 +387,15 @@ def collect_results(ctx: Context, run: Any, methods: list[str], validation_dir: 
 
     d = run.dir
     ev = read_json(d / "evaluate" / "evaluation.json") if (d / "evaluate" / "evaluation.json").is_file() else {}
+    table = d / "profile" / "cost_table" / "cost_table.json"
+    prov = read_json(table).get("provenance", {}) if table.is_file() else {}
+    eng = ctx.cfg.target.engine
+    engine = {"name": str(eng.name), "dtype": str(prov.get("dtype") or eng.get("dtype", "")),
+              # the version the cost table measured (the config's `version` is usually left empty)
+              "version": str(prov.get("engine_version") or eng.get("version") or "")}
     res: dict[str, Any] = {
         "target": {"name": str(ctx.cfg.target.name), "description": str(ctx.cfg.target.get("description", "")),
-                   "engine": str(ctx.cfg.target.engine.name), "hardware": str(ctx.cfg.target.hardware.name),
+                   "engine": engine, "hardware": str(ctx.cfg.target.hardware.name),
                    "workload": dict(ctx.cfg.target.workload)},
         "budgets": ev.get("budgets", {}), "budget_reference": ev.get("budget_reference", ""),
         "models": ev.get("models", {}), "methods": {}, "stages_wall_s": {},

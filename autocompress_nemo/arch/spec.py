@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 BlockKind = Literal["attention", "mlp", "moe", "mamba"]
 PATTERN_CHAR: dict[str, str] = {"attention": "*", "mlp": "-", "moe": "E", "mamba": "M"}
@@ -127,7 +127,7 @@ class MambaBlock:
         return self.num_heads * self.head_dim
 
 
-Block = Union[AttentionBlock, MlpBlock, MoeBlock, MambaBlock]
+Block = AttentionBlock | MlpBlock | MoeBlock | MambaBlock
 _BLOCK_TYPES: dict[str, type] = {
     "attention": AttentionBlock,
     "mlp": MlpBlock,

@@ -129,6 +129,12 @@ class CostTable:
         """
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}; one of {PHASES}")
+        memo = self.__dict__.setdefault("_latency_memo", {})  # blocks are frozen: (block, phase) -> ms
+        if (b, phase) not in memo:
+            memo[(b, phase)] = self._lookup_latency(b, phase)
+        return memo[(b, phase)]
+
+    def _lookup_latency(self, b: Block, phase: str) -> float:
         if b.removed:
             return 0.0
         entries = self._entries(b.kind)

@@ -1,18 +1,47 @@
-"""Minitron++ baseline: a mode of the same code (``search=minitron_pp``).
+"""Minitron++ baseline: a mode of the same code (``search=minitron_pp``), for every model family.
 
-Same importance-sorted parent, same cost model and budgets; one width per dimension for
-all layers, all layers kept. It enumerates the uniform candidates the exact predictor
-calls feasible, keeps the ``minitron_candidates`` largest (by the normalized cost they
-spend, i.e. closest to the budget), optionally gives each a short distillation from the
-parent (``minitron_retrain_steps``, as Minitron's lightweight retraining of its top
-candidates), scores each by distillation loss on calibration batches, and returns the
-best. Every token it spends choosing is counted.
+Same importance-sorted parent, same cost model and budgets, same supernet (``Supernet(...)``
+dispatches to ``HybridSupernet`` for MoE / Mamba parents, as the router search does). Minitron
+(Sreenivas et al. 2024; Nemotron-H's pruning of hybrids) prunes along two axes:
+
+- **width**: one shape per decision kind for all blocks of that kind (``space.uniform_candidates``:
+  attention heads / KV groups, mlp ffn, routed experts kept + expert ffn + top-k, shared-expert
+  ffn, Mamba heads);
+- **depth**: remove the ``k`` least important *removable units*. A unit is one block of a hybrid
+  (``M``, ``*``, ``E``, ``-``) or one Llama layer (its attention *and* its mlp: Minitron removes
+  whole layers); it is removable when every decision on it offers a removed option and choosing
+  them removes all its blocks (so only what the engine can serve; for MoE both the routed part
+  and the shared expert must be removable). Importance of a unit (Minitron's "drop in LM/KD loss
+  when the block alone is removed"): on calibration batches ``x``,
+
+      I(u) = mean_x KD(parent(x) || parent_without_u(x)),
+
+  the KD loss (``distill.kd.kd_loss``: KL on softened logits, ``T^2``-scaled) of the parent with
+  only ``u`` removed (through the supernet masks, which equal the extracted child exactly)
+  against the parent. A unit whose removal leaves the logits unchanged scores 0. Tokens counted:
+  one batch per unit per batch (the teacher's logits are computed once per batch and reused).
+
+Candidates = uniform widths x depth. Costs never rise when a unit is removed, so for each uniform
+width only the fewest removals that meet every budget is kept (found by bisection over ``k``, each
+step an exact prediction); the same widths with more blocks removed are sub-networks that spend
+less of the budget, dominated under Minitron++'s ranking. Feasibility is always checked exactly.
+The feasible candidates are ranked by the normalized budget they spend, ``sum_m c_m / b_m``
+(closest to the budget first), within each ``k``; the ``minitron_candidates`` scored are taken
+round-robin over ``k`` ascending (fewest removals first), so width-only and depth-pruned shapes
+both compete. Each gets an optional short distillation (``minitron_retrain_steps``, Minitron's
+lightweight retraining), is scored by KD loss on calibration batches, and the best is returned.
+Every token spent choosing is counted.
+
+Dense parents: under the llama.cpp targets (``attention_needs_ffn``: no ffn removal) no Llama
+layer is removable, so the depth axis is empty, no importance pass runs and the candidates,
+their order and the token count are exactly the width-only ones of before.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,19 +52,161 @@ from autocompress_nemo.search.autocompress import CostFunctions, SearchOutcome
 from autocompress_nemo.search.space import Decision, apply_choices, uniform_candidates
 from autocompress_nemo.search.supernet import Supernet
 
+RETRAIN_OFFSET, SCORE_OFFSET, IMPORTANCE_OFFSET = 0, 10_000_000, 20_000_000  # disjoint batch indices
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A removable unit: its blocks and, per decision on them, the option that removes it."""
+
+    blocks: tuple[int, ...]
+    removal: tuple[tuple[int, int], ...]
+    """``(decision index, removed option index)`` pairs."""
+
+
+@dataclass
+class Candidate:
+    spent: float
+    """``sum_m c_m / b_m`` over the budgets (at most the number of budgets when feasible)."""
+    removed: tuple[int, ...]
+    """Block indices removed by the depth axis (empty: width only)."""
+    choices: list[int]
+    costs: dict[str, float]
+
+    @property
+    def k(self) -> int:
+        return len(self.removed)
+
+
+@dataclass
+class MinitronOutcome(SearchOutcome):
+    """``SearchOutcome`` plus the depth axis: units with their importance, least important first."""
+
+    block_importance: list[dict[str, Any]] = field(default_factory=list)
+    importance_tokens: int = 0
+
+    def record(self) -> dict[str, Any]:
+        return {"block_importance": self.block_importance, "importance_tokens": self.importance_tokens,
+                "importance_metric": "KD loss of the parent with the unit alone removed (0 = no effect)"}
+
+
+def removable_units(parent: ArchSpec, decisions: list[Decision]) -> list[Unit]:
+    """Units (hybrid blocks; Llama layers = attention + mlp) the space can remove entirely."""
+    groups = ([(2 * i, 2 * i + 1) for i in range(parent.num_layers)] if parent.is_dense_layered()
+              else [(i,) for i, b in enumerate(parent.blocks) if not b.removed])
+    full = [d.parent_option for d in decisions]
+    units = []
+    for blocks in groups:
+        on = [i for i, d in enumerate(decisions) if d.block_index in blocks]
+        if {decisions[i].block_index for i in on} != set(blocks):
+            continue  # a block of the unit has no decision (its shape is fixed)
+        removal = []
+        for i in on:
+            k = next((k for k, o in enumerate(decisions[i].options) if o.removed), None)
+            if k is None:
+                break
+            removal.append((i, k))
+        else:
+            ch = list(full)
+            for i, k in removal:
+                ch[i] = k
+            child = apply_choices(parent, decisions, ch)
+            if all(child.blocks[b].removed for b in blocks):
+                units.append(Unit(tuple(blocks), tuple(removal)))
+    return units
+
+
+def with_removed(choices: list[int], units: list[Unit]) -> list[int]:
+    out = list(choices)
+    for u in units:
+        for i, k in u.removal:
+            out[i] = k
+    return out
+
+
+def unit_importance(
+    model: torch.nn.Module,
+    parent: ArchSpec,
+    decisions: list[Decision],
+    units: list[Unit],
+    batches: list[torch.Tensor],
+    forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+    temperature: float = 1.0,
+) -> tuple[list[float], int]:
+    """``(I(u) per unit, tokens)``: the KD loss of the parent with ``u`` alone removed (module
+    docstring), mean over ``batches``; masks through the supernet, removed afterwards."""
+    sn = Supernet(model, parent, decisions)
+    full = [d.parent_option for d in decisions]
+    sums = [0.0] * len(units)
+    tokens = 0
+    try:
+        with torch.no_grad():
+            for x in batches:
+                sn.enabled = False
+                teacher = forward(model, x)
+                sn.enabled = True
+                for j, u in enumerate(units):
+                    sn.set_choices(with_removed(full, [u]))
+                    sums[j] += float(kd_loss(forward(model, x), teacher, temperature))
+                    tokens += x.numel()
+    finally:
+        sn.remove()
+    return [s / max(1, len(batches)) for s in sums], tokens
+
+
+def _spent(c: dict[str, float], budgets: dict[str, float]) -> float | None:
+    """``sum_m c_m / b_m`` if every budget is met, else ``None``."""
+    if all(c[m] <= b for m, b in budgets.items()):
+        return sum(c[m] / b for m, b in budgets.items())
+    return None
+
 
 def feasible_uniform(
-    parent: ArchSpec, decisions: list[Decision], costs: CostFunctions, budgets: dict[str, float]
-) -> list[tuple[float, list[int], dict[str, float]]]:
-    """(normalized cost spent, choices, predicted costs) of every feasible uniform candidate,
+    parent: ArchSpec, decisions: list[Decision], costs: CostFunctions, budgets: dict[str, float],
+    removal_order: list[Unit] | None = None,
+) -> list[Candidate]:
+    """Every feasible candidate: per uniform width, the fewest units of ``removal_order`` (least
+    important first) whose removal meets every budget (module docstring); sorted by ``k``, then
     most budget-spending first."""
-    out = []
-    for ch in uniform_candidates(parent, decisions):
+    order = list(removal_order or [])
+    out: dict[tuple[int, ...], Candidate] = {}
+
+    def at(width: list[int], k: int) -> Candidate | None:
+        ch = with_removed(width, order[:k])
         c = costs.predict(apply_choices(parent, decisions, ch))
-        if all(c[m] <= b for m, b in budgets.items()):
-            spent = sum(c[m] / b for m, b in budgets.items())
-            out.append((spent, ch, c))
-    out.sort(key=lambda t: (-t[0], t[1]))
+        s = _spent(c, budgets)
+        if s is None:
+            return None
+        return Candidate(s, tuple(b for u in order[:k] for b in u.blocks), ch, c)
+
+    for width in uniform_candidates(parent, decisions):
+        best = at(width, 0)
+        if best is None and order:
+            best = at(width, len(order))
+            lo, hi = 0, len(order)  # infeasible at lo, feasible at hi: bisect for the fewest removals
+            while best is not None and hi - lo > 1:
+                mid = (lo + hi) // 2
+                c = at(width, mid)
+                if c is None:
+                    lo = mid
+                else:
+                    hi, best = mid, c
+        if best is not None and tuple(best.choices) not in out:
+            out[tuple(best.choices)] = best
+    return sorted(out.values(), key=lambda c: (c.k, -c.spent, c.choices))
+
+
+def select_candidates(feasible: list[Candidate], n: int) -> list[Candidate]:
+    """``n`` candidates round-robin over ``k`` ascending, each ``k``'s most budget-spending first."""
+    by_k: dict[int, list[Candidate]] = {}
+    for c in feasible:
+        by_k.setdefault(c.k, []).append(c)
+    queues = [by_k[k] for k in sorted(by_k)]
+    out: list[Candidate] = []
+    while len(out) < n and any(queues):
+        for q in queues:
+            if q and len(out) < n:
+                out.append(q.pop(0))
     return out
 
 
@@ -50,75 +221,110 @@ def run_minitron_pp(
     cfg: Any,
     log: Callable[[str], None] = print,
     fresh_model: Callable[[], torch.nn.Module] | None = None,
-) -> SearchOutcome:
+) -> MinitronOutcome:
     """``fresh_model()`` builds another copy of the sorted parent (needed when candidates are
     retrained: Megatron models hold process groups and cannot be deep-copied)."""
     t0 = time.time()
-    feas = feasible_uniform(parent, decisions, costs, budgets)
+    n_score = int(cfg.minitron_score_batches)
+    temperature = float(cfg.kd_temperature)
+    tokens = 0
+    units = removable_units(parent, decisions)
+    importance: list[dict[str, Any]] = []
+    order: list[Unit] = []
+    imp_tokens = 0
+    if units:
+        scores, imp_tokens = unit_importance(model, parent, decisions, units,
+                                             [batch_at(IMPORTANCE_OFFSET + s) for s in range(n_score)], forward,
+                                             temperature)
+        tokens += imp_tokens
+        ranked = sorted(zip(scores, units, strict=True), key=lambda t: (t[0], t[1].blocks))
+        order = [u for _, u in ranked]
+        importance = [{"blocks": list(u.blocks), "kinds": [parent.blocks[b].kind for b in u.blocks],
+                       "kd_when_removed": round(s, 6)} for s, u in ranked]
+        log("minitron++ depth axis: importance (KD loss with the block alone removed), least important first: "
+            + ", ".join(f"{'+'.join(str(b) for b in u.blocks)}:{s:.4g}" for s, u in ranked)
+            + f" ({imp_tokens} tokens)")
+    feas = feasible_uniform(parent, decisions, costs, budgets, order)
     if not feas:
         raise ValueError(
-            "Minitron++: no uniform architecture (one width for all layers, all layers kept) meets the budget; "
-            "the heterogeneous search space may still reach it"
+            "Minitron++: no uniform architecture (one shape per block kind for all blocks, with the "
+            f"0..{len(order)} least important removable blocks removed) meets the budget; the heterogeneous "
+            "search space may still reach it"
         )
-    top = feas[: max(1, cfg.minitron_candidates)]
-    log(f"minitron++: {len(feas)} feasible uniform candidates; scoring the top {len(top)}")
+    top = select_candidates(feas, max(1, int(cfg.minitron_candidates)))
+    ks = sorted({c.k for c in feas})
+    log(f"minitron++: {len(feas)} feasible uniform candidates (blocks removed: {ks}); scoring {len(top)}")
     retrain = int(getattr(cfg, "minitron_retrain_steps", 0))
-    n_score = int(cfg.minitron_score_batches)
-    tokens = 0
+    if retrain and fresh_model is None:
+        raise ValueError("minitron_retrain_steps > 0 needs fresh_model() to copy the sorted parent")
     trajectory = []
     best: tuple[float, list[int]] | None = None
-    for ci, (spent, ch, c) in enumerate(top):
-        if retrain and fresh_model is None:
-            raise ValueError("minitron_retrain_steps > 0 needs fresh_model() to copy the sorted parent")
+    for ci, cand in enumerate(top):
         cand_model = fresh_model() if retrain and fresh_model is not None else model
         sn = Supernet(cand_model, parent, decisions)
-
-        def teacher(x: torch.Tensor, sn: Supernet = sn, m: torch.nn.Module = cand_model) -> torch.Tensor:
-            sn.enabled = False
-            try:
-                return forward(model, x)
-            finally:
-                sn.enabled = True
-
-        sn.set_choices(ch)
+        sn.set_choices(cand.choices)
         if retrain:
+            def teacher(x: torch.Tensor, sn: Supernet = sn) -> torch.Tensor:
+                sn.enabled = False
+                try:
+                    return forward(model, x)
+                finally:
+                    sn.enabled = True
+
             for p in cand_model.parameters():
                 p.requires_grad_(True)
-            kd_train(
-                cand_model,
-                teacher,
-                lambda x, m=cand_model: forward(m, x),
-                (batch_at(s) for s in range(retrain)),
-                lr=cfg.weight_lr,
-                temperature=cfg.kd_temperature,
-            )
-            tokens += sum(batch_at(s).numel() for s in range(retrain))
+            def student(x: torch.Tensor, m: torch.nn.Module = cand_model) -> torch.Tensor:
+                return forward(m, x)
+
+            kd_train(cand_model, teacher, student, (batch_at(RETRAIN_OFFSET + s) for s in range(retrain)),
+                     lr=cfg.weight_lr, temperature=temperature)
+            tokens += sum(batch_at(RETRAIN_OFFSET + s).numel() for s in range(retrain))
         losses = []
         with torch.no_grad():
             for s in range(n_score):
-                x = batch_at(10_000_000 + s)  # calibration batches disjoint from the retraining ones
+                x = batch_at(SCORE_OFFSET + s)  # calibration batches disjoint from the retraining ones
                 sn.enabled = False
                 t = forward(model, x)
                 sn.enabled = True
-                losses.append(float(kd_loss(forward(cand_model, x), t, cfg.kd_temperature)))
+                losses.append(float(kd_loss(forward(cand_model, x), t, temperature)))
                 tokens += x.numel()
         sn.remove()
         score = sum(losses) / len(losses)
-        arch = apply_choices(parent, decisions, ch)
-        log(f"minitron++ candidate {ci + 1}/{len(top)}: kd={score:.4f} spent={spent:.3f} pattern={_shape(arch)}")
-        trajectory.append({"candidate": ci, "kd": score, "spent": spent, "choices": ch, **{f"predicted_{m}": v for m, v in c.items()}})
+        arch = apply_choices(parent, decisions, cand.choices)
+        log(f"minitron++ candidate {ci + 1}/{len(top)}: kd={score:.4f} spent={cand.spent:.3f} "
+            f"removed={list(cand.removed)} {uniform_shape(arch)}")
+        trajectory.append({"candidate": ci, "kd": score, "spent": cand.spent, "choices": cand.choices,
+                           "removed_blocks": list(cand.removed),
+                           **{f"predicted_{m}": v for m, v in cand.costs.items()}})
         if best is None or score < best[0]:
-            best = (score, ch)
+            best = (score, cand.choices)
     assert best is not None
-    return SearchOutcome(
+    return MinitronOutcome(
         choices=best[1],
         probs=[[1.0 if k == best[1][i] else 0.0 for k in range(len(d.options))] for i, d in enumerate(decisions)],
         trajectory=trajectory,
         tokens=tokens,
         wall_s=time.time() - t0,
+        block_importance=importance,
+        importance_tokens=imp_tokens,
     )
 
 
-def _shape(spec: ArchSpec) -> str:
-    a, m = spec.layers()[0]
-    return f"heads={a.num_heads} kv={a.num_kv_groups} ffn={m.ffn}"
+def uniform_shape(spec: ArchSpec) -> str:
+    """The shapes of a (uniform) child per block kind, and its removed blocks, in one line."""
+    shapes: dict[str, list[str]] = {}
+    for b in spec.blocks:
+        if not b.removed and (s := _shape_of(b)) not in shapes.setdefault(b.kind, []):
+            shapes[b.kind].append(s)
+    removed = [i for i, b in enumerate(spec.blocks) if b.removed]
+    return "; ".join(f"{k}: {' | '.join(v)}" for k, v in shapes.items()) + (f"; removed blocks {removed}" if removed else "")
+
+
+def _shape_of(b: Any) -> str:
+    if b.kind == "attention":
+        return f"heads={b.num_heads} kv={b.num_kv_groups}"
+    if b.kind == "mlp":
+        return f"ffn={b.ffn}"
+    if b.kind == "moe":
+        return f"experts={b.num_experts}x{b.expert_ffn} top{b.top_k} shared={b.shared_ffn}"
+    return f"heads={b.num_heads}"

@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MlpBlock
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MambaBlock, MlpBlock, MoeBlock
 
 
 @dataclass(frozen=True)
@@ -122,25 +122,75 @@ def apply_choices(parent: ArchSpec, decisions: list[Decision], choices: list[int
     return spec
 
 
+def option_widths(o: Block) -> tuple[int, ...]:
+    """The widths a decision option keeps, per dimension of its kind (the dimensions a uniform
+    Minitron++ shape is uniform in): attention (query heads, KV groups), mlp (ffn), moe routed part
+    (experts, expert ffn, top-k), moe shared part (shared ffn), mamba (heads)."""
+    if isinstance(o, AttentionBlock):
+        return (o.num_heads, o.num_kv_groups)
+    if isinstance(o, MlpBlock):
+        return (o.ffn,)
+    if isinstance(o, MambaBlock):
+        return (o.num_heads,)
+    if isinstance(o, MoeBlock):
+        return (o.num_experts, o.expert_ffn, o.top_k) if o.num_experts else (o.shared_ffn,)
+    raise TypeError(f"no widths for option {o!r}")
+
+
+def _kind_shapes(items: list[tuple[int, Decision]]) -> list[dict[int, int]]:
+    """Uniform assignments ``{decision index: option index}`` for the decisions of one kind (see
+    ``uniform_candidates``), never a removed option."""
+    kept = [[k for k, o in enumerate(d.options) if not o.removed] for _, d in items]
+    first = [items[0][1].options[k] for k in kept[0]]
+    if all([d.options[k] for k in ks] == first for (_, d), ks in zip(items, kept, strict=True)):
+        # every block of the kind offers the same shapes: the same shape everywhere
+        return [{i: d.options.index(shape) for i, d in items} for shape in first]
+
+    def frac(d: Decision, k: int) -> tuple[float, ...]:
+        full = option_widths(d.options[d.parent_option])
+        return tuple(w / max(1, p) for w, p in zip(option_widths(d.options[k]), full, strict=True))
+
+    targets = sorted({frac(d, k) for (_, d), ks in zip(items, kept, strict=True) for k in ks},
+                     key=lambda f: (sum(f), f))
+    out: list[dict[int, int]] = []
+    for t in targets:
+        assign = {}
+        for (i, d), ks in zip(items, kept, strict=True):
+            fits = [k for k in ks if all(a <= b + 1e-9 for a, b in zip(frac(d, k), t, strict=True))]
+            # the widest option within the fraction in every dimension, else the block's smallest kept option
+            widest = max(((sum(frac(d, k)), k) for k in fits), default=None)
+            assign[i] = widest[1] if widest is not None else ks[0]
+        if assign not in out:
+            out.append(assign)
+    return out
+
+
 def uniform_candidates(parent: ArchSpec, decisions: list[Decision]) -> list[list[int]]:
-    """Minitron++ candidates: one option for every attention block and one for every mlp
-    block (the same shape in all layers), no block removed."""
+    """Minitron++ width candidates: one shape per decision kind (``attention``, ``mlp``,
+    ``moe_routed``, ``moe_shared``, ``mamba``) for all blocks of that kind, no block or part removed
+    (the depth axis, block removal, is ``search/minitron.py``'s).
+
+    Per kind:
+
+    - the blocks of the kind all offer the same options (every Llama parent, every Nemotron-H /
+      Qwen3-MoE parent, whose blocks of a kind are alike): the candidates are those shapes, the
+      same block everywhere;
+    - their options differ (a parent whose blocks of one kind differ): a common *fraction* of each
+      block's parent width, ``f = kept / parent`` per dimension (``option_widths``). The fractions
+      are those any block's options offer; for each, every block takes its widest option whose
+      fraction is ``<= f`` in every dimension (its smallest kept option if none is), i.e. uniform
+      relative to the parent, snapped down to what each block can serve.
+
+    Candidates are the product over kinds, as option indices per decision."""
     by_kind: dict[str, list[tuple[int, Decision]]] = {}
     for i, d in enumerate(decisions):
         by_kind.setdefault(d.kind, []).append((i, d))
-    # shapes common to all decisions of a kind, excluding removal
-    shape_sets = []
-    for kind, items in by_kind.items():
-        common = set(items[0][1].options)
-        for _, d in items[1:]:
-            common &= set(d.options)
-        shapes = sorted((b for b in common if not b.removed), key=lambda b: decisions[items[0][0]].options.index(b))
-        shape_sets.append((kind, items, shapes))
+    per_kind = [_kind_shapes(items) for items in by_kind.values()]
     out = []
-    for combo in itertools.product(*[s for _, _, s in shape_sets]):
+    for combo in itertools.product(*per_kind):
         choices = [0] * len(decisions)
-        for (_, items, _), shape in zip(shape_sets, combo, strict=True):
-            for i, d in items:
-                choices[i] = d.options.index(shape)
+        for assign in combo:
+            for i, k in assign.items():
+                choices[i] = k
         out.append(choices)
     return out
