@@ -137,9 +137,13 @@ def run_kd_train(rank: int, world: int, spec_json: str, student_sd: dict, teache
                 seen.update(megatron_to_hf(spec, student, grads=True))
             return super().step(closure)
 
-    kd.torch.optim.Adam = Recording  # the module's torch is this process's torch (a spawned process)
-    losses = kd.kd_train(student, lambda x: forward_logits(teacher, x), lambda x: forward_logits(student, x),
-                         batches, lr=1e-2)
+    adam = torch.optim.Adam
+    torch.optim.Adam = Recording  # kd_train builds torch.optim.Adam; put it back afterwards (EP=1 runs in-process)
+    try:
+        losses = kd.kd_train(student, lambda x: forward_logits(teacher, x), lambda x: forward_logits(student, x),
+                             batches, lr=1e-2)
+    finally:
+        torch.optim.Adam = adam
     return {"grads": seen, "losses": losses}
 
 
