@@ -1,6 +1,9 @@
 """Profile a hybrid (Mamba / attention / MoE) target from scratch and validate its table; prints JSON.
 
-    python bench/bench_profile_hybrid.py [+target=small_hybrid_cpu model=small_hybrid] [overrides]
+    python bench/bench_profile_hybrid.py [--compare] [+target=small_hybrid_cpu model=small_hybrid] [overrides]
+
+``--compare``: build the table both ways (``profile_method=differences``, then ``fit``) and validate
+both back to back on the same candidates.
 
 Engine: PyTorch eager (transformers' NemotronH) on this CPU — llama.cpp cannot serve per-block
 hybrids (conf/engine/torch_eager_cpu.yaml). Prints: table wall time, engine runs, validation
@@ -39,25 +42,17 @@ def _errs(e: dict[str, dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def main(argv: list[str]) -> dict:
-    cfg = compose(argv or DEFAULT)
-    out = Path(tempfile.mkdtemp(prefix="acn-bench-profile-hybrid-"))
-    load_before = loadavg()
-    t0 = time.time()
-    table_path = run_profile(cfg, out)
-    t_table = time.time() - t0
-    prov = json.loads(table_path.read_text())["provenance"]
-    summary = run_validate(cfg, table_path, out)
-    result = {
-        "target": str(cfg.target.name),
-        "model": str(cfg.model.name),
-        "engine": prov["engine_version"],
-        "measured_in": "PyTorch eager (transformers) on this CPU, 1 thread, thread CPU time",
-        "threads": prov["threads"],
-        "label": summary["label"],
+def _one(cfg, out: Path, summary: dict, t_table: float, table_path: Path) -> dict:
+    t = json.loads(table_path.read_text())
+    prov = t["provenance"]
+    return {
+        "method": prov["profile"].get("method"),
         "table_wall_s": round(t_table, 1),
         "profile_models": prov["profile_models"],
         "profile_engine_runs": prov["engine_runs"],
+        "fit_residuals": {p: {k: round(v, 2) for k, v in prov["fit"][p].items()} for p in ("decode_ms", "prefill_ms")}
+        if "fit" in prov else None,
+        "intercept": {k: round(v, 3) for k, v in t["intercept"].items()},
         "validation_models": summary["models"],
         "validation_reference": summary.get("reference"),
         "validation_engine_runs": summary["engine_runs"],
@@ -66,11 +61,41 @@ def main(argv: list[str]) -> dict:
         "drift_scale": {k: round(v, 4) for k, v in summary.get("drift_scale", {}).items()},
         "errors_drift_corrected": _errs(summary["errors_drift_corrected"]) if "errors_drift_corrected" in summary
         else None,
+        "out_dir": str(out),
+    }
+
+
+def main(argv: list[str]) -> dict:
+    """``--compare``: profile with ``differences`` (before) then ``fit`` (after), then validate both
+    tables back to back (same candidates, same machine state as far as a shared machine allows)."""
+    compare = "--compare" in argv
+    argv = [a for a in argv if a != "--compare"] or DEFAULT
+    methods = ["differences", "fit"] if compare else [None]
+    load_before = loadavg()
+    tables = []
+    for m in methods:
+        cfg = compose(argv + ([f"target.engine.settings.profile_method={m}"] if m else []))
+        out = Path(tempfile.mkdtemp(prefix="acn-bench-profile-hybrid-"))
+        t0 = time.time()
+        tables.append((cfg, out, run_profile(cfg, out), time.time() - t0))
+    load_mid = loadavg()
+    runs = []
+    for cfg, out, table_path, t_table in tables:
+        runs.append(_one(cfg, out, run_validate(cfg, table_path, out), t_table, table_path))
+    prov = json.loads(tables[0][2].read_text())["provenance"]
+    result = {
+        "target": str(tables[0][0].target.name),
+        "model": str(tables[0][0].model.name),
+        "engine": prov["engine_version"],
+        "measured_in": "PyTorch eager (transformers) on this CPU, 1 thread, thread CPU time",
+        "threads": prov["threads"],
+        "label": prov["label"],
+        "runs": runs,
         "goals_pct": {"decode_mean": 5.0, "decode_max": 15.0},
         "loadavg_before": load_before,
+        "loadavg_after_profiling": load_mid,
         "loadavg_after": loadavg(),
         "cpu_count": os.cpu_count(),
-        "out_dir": str(out),
     }
     print(json.dumps(result, indent=1))
     return result

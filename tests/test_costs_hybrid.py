@@ -167,3 +167,83 @@ def test_torch_eager_routes_batch_times_top_k_tokens_per_decode_step() -> None:
         decode = [s for s in slots if s[0] == batch]  # one token per sequence
         assert decode and all(s == (batch, moe.top_k) for s in decode)
         assert any(s[0] == batch * 8 for s in slots)  # the timed prefills: B x input_len tokens
+
+
+# -- least-squares hybrid tables (profile_method: fit) -------------------------------------------
+def test_balanced_design_uses_every_option_equally_often() -> None:
+    from autocompress_nemo.profile.hybrid_fit import balanced_choices
+
+    ch = balanced_choices([3, 17, 5], 40, seed=0)
+    assert len(ch) == 40 and len({tuple(c) for c in ch}) > 30
+    for d, k in enumerate((3, 17, 5)):
+        counts = [sum(c[d] == j for c in ch) for j in range(k)]
+        assert min(counts) >= 40 // k and max(counts) <= -(-40 // k), (d, counts)
+
+
+def test_fit_recovers_costs_and_reports_leave_one_out_residuals() -> None:
+    """Synthetic additive data with 1 % relative noise: the weighted NNLS fit recovers the constant and
+    the costs (including a true zero, kept >= 0), and its residuals are about the noise."""
+    import numpy as np
+
+    from autocompress_nemo.profile.hybrid_fit import fit_costs
+
+    rng = np.random.default_rng(0)
+    x_true = np.array([0.0, 0.5, 1.0, 2.0, 3.0])
+    counts = rng.integers(0, 3, size=(60, 5)).astype(float)
+    y_clean = 1.5 + counts @ x_true
+    fit = fit_costs(counts, y_clean * (1 + 0.01 * rng.standard_normal(60)))
+    assert fit.intercept == pytest.approx(1.5, abs=0.15)
+    assert np.all(fit.costs >= 0) and np.allclose(fit.costs, x_true, atol=0.1)
+    s = fit.summary()
+    assert 0.5 < s["rms_pct"] < 1.5 and s["loo_rms_pct"] >= s["rms_pct"]
+    exact = fit_costs(counts, y_clean)
+    assert exact.summary()["loo_max_pct"] < 1e-4 and exact.rank == 6
+    with pytest.raises(ValueError, match="profile_models"):
+        fit_costs(counts[:4], y_clean[:4])
+
+
+def test_fit_table_predicts_unprofiled_children_and_marks_its_models() -> None:
+    """profile_method=fit on the (nearly additive) roofline engine: children never profiled are
+    predicted within 0.1 %; the table lists its profiling models, validation treats exactly those as
+    references, and the fit's residuals are in the provenance."""
+    import random
+
+    from autocompress_nemo.profile.validate import is_reference, profiled_time
+    from autocompress_nemo.search.space import apply_choices, build_space
+
+    t = roofline_target(4)
+    t.engine.settings = {"profile_method": "fit", "profile_models_per_unknown": 2}
+    eng, wl = get_engine(t), Workload.from_config(t.workload)
+    parent = conf_spec("tiny_hybrid")
+    table = build_hybrid_table(eng, parent, wl, ffn_points=4, log=lambda s: None)
+    prov = table.provenance
+    assert prov["profile"]["method"] == "hybrid_fit" and prov["profile_models"] == len(table.runs)
+    assert prov["fit"]["decode_ms"]["loo_max_pct"] < 0.1 and prov["fit"]["models"] >= 2 * prov["fit"]["unknowns"] - 1
+    assert all(e["source"] == "fit" and e["appearances"] > 0 for e in table.blocks)
+    pred = Predictor(table, t)
+    decisions = build_space(parent, t.engine.capabilities, 4)
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(30):
+        child = apply_choices(parent, decisions, [rng.randrange(len(d.options)) for d in decisions])
+        if is_reference(child, table):
+            continue
+        m = eng.measure(child, wl)
+        for p in ("prefill_ms", "decode_ms"):
+            assert pred.predict(child)[p] == pytest.approx(getattr(m, p), rel=1e-3)
+        checked += 1
+    assert checked >= 20
+    assert is_reference(parent, table) and profiled_time(parent, table) == {
+        p: table.runs[0][p] for p in ("prefill_ms", "decode_ms")}
+
+
+def test_drift_scale_uses_the_reference_time_measured_at_profiling() -> None:
+    from autocompress_nemo.profile.validate import drift_scale
+
+    ref = {"meas_prefill_ms": 11.0, "meas_decode_ms": 2.2, "pred_prefill_ms": 9.0, "pred_decode_ms": 1.9,
+           "table_prefill_ms": 10.0, "table_decode_ms": 2.0}
+    s = drift_scale(ref, output_len=5)
+    assert s["prefill_ms"] == pytest.approx(1.1) and s["decode_ms"] == pytest.approx(1.1)
+    assert s["response_latency_ms"] == pytest.approx(1.1) and s["memory_bytes"] == 1.0
+    del ref["table_prefill_ms"], ref["table_decode_ms"]
+    assert drift_scale(ref, 5)["prefill_ms"] == pytest.approx(11.0 / 9.0)

@@ -42,10 +42,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
 from autocompress_nemo.costs.engines.base import Engine, Measurement, Workload, _cap
 from autocompress_nemo.costs.memory import conv_extra_columns, kv_cache_bytes, weight_bytes
-from autocompress_nemo.costs.table import PHASES, CostTable, make_provenance
+from autocompress_nemo.costs.table import PHASES, CostTable, make_provenance, spec_hash
 
 Layer = tuple[AttentionBlock, MlpBlock]
 
@@ -291,7 +293,123 @@ def spread_copies(blocks: tuple[Any, ...], x: Any, k: int) -> tuple[Any, ...]:
 
 def build_hybrid_table(engine: Engine, parent: ArchSpec, workload: Workload, *, ffn_points: int = 8,
                        log: Callable[[str], None] | None = None) -> CostTable:
-    """Cost table of a hybrid parent from short-model differences in the real engine.
+    """Cost table of a hybrid parent, by ``engine.settings.profile_method``:
+
+    - ``fit`` (default for measured engines): per-block costs and the constant per forward fitted by
+      non-negative least squares to ``N`` children of the search space (``profile/hybrid_fit.py``);
+      ``N = profile_models`` (default ``3 x`` the unknowns) plus the parent, in one interleaved session.
+    - ``differences`` (default for estimated engines, exact there): one difference of two models per
+      option (``_hybrid_differences``).
+
+    Memory constants come from the parent's run in both. Provenance records the method, every
+    profiling model's spec hash (``profile_model_hashes``: validation leaves those models out) and,
+    for ``fit``, the fit's residuals (``fit``).
+    """
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    method = str(engine.setting("profile_method", "differences" if engine.estimated else "fit"))
+    if method not in ("fit", "differences"):
+        raise ValueError(f"engine.settings.profile_method={method!r}: use fit or differences")
+    options = hybrid_profile_options(parent, engine.capabilities, int(engine.setting("ffn_grid", ffn_points)))
+    t_start = time.time()
+    if method == "fit":
+        specs, results, blocks, intercept, runs, extra = _hybrid_fit(engine, parent, workload, options,
+                                                                     int(engine.setting("ffn_grid", ffn_points)), log)
+    else:
+        specs, results, blocks, intercept, runs, extra = _hybrid_differences(engine, parent, workload, options, log)
+    base = results[0]  # the parent, in both designs
+    dtype = str(engine.cfg.dtype)
+    norm_dtype = "f32" if engine.name == "llama_cpp" else dtype
+    comp = [m.memory.get("compute", 0.0) for m in results]
+    memory = {"output_bytes": base.memory.get("output", 0.0), "compute_bytes": [],
+              "compute_base_bytes": base.memory.get("compute", 0.0), "compute_range": [min(comp), max(comp)],
+              "weights_overhead_bytes": base.memory.get("weights", 0.0) - weight_bytes(parent, dtype, norm_dtype),
+              "kv_tokens": workload.context_len * workload.batch, "norm_dtype": norm_dtype,
+              # conv-state columns beyond K-1 that the engine keeps (transformers: K), from the base's state
+              "conv_extra": conv_extra_columns(parent, workload.batch, "f32", base.memory.get("state", 0.0))
+              if not base.estimated else 0}
+    settings = {kk: v for kk, v in dict(engine.cfg.settings or {}).items()}
+    settings.update({"percentile": float(engine.cfg.percentile), "method": f"hybrid_{method}",
+                     **extra.pop("settings", {})})
+    prov = make_provenance(engine.provenance(), workload.__dict__,
+                           workload.decode_context(str(engine.setting("decode_context", "mean"))),
+                           expected_settings(engine.cfg), parent)
+    prov.update({"profile_models": len(specs), "engine_runs": int(getattr(engine, "runs", len(specs))),
+                 "profile_wall_s": round(time.time() - t_start, 2), "profile": settings,
+                 "profile_model_hashes": sorted({spec_hash(s) for s in specs}), **extra})
+    log(f"[profile] hybrid table ({method}): {len(blocks)} block options; intercept prefill "
+        f"{intercept['prefill_ms']:.3f} ms, decode {intercept['decode_ms']:.3f} ms; {time.time() - t_start:.0f} s")
+    return CostTable(provenance=prov, parent=parent, intercept=intercept,
+                     layer_overhead={p: 0.0 for p in PHASES}, blocks=blocks, memory=memory, runs=runs)
+
+
+def _progress(log: Callable[[str], None], total: int, t_start: float) -> Callable[[str], None]:
+    done = [0]
+
+    def progress(msg: str) -> None:
+        done[0] += 1
+        if done[0] % 10 == 0 or done[0] == total:
+            log(f"[profile {done[0]}/{total}] ~{(time.time() - t_start) / done[0] * (total - done[0]):.0f} s left")
+
+    return progress
+
+
+def _run_row(s: ArchSpec, m: Measurement, **extra: Any) -> dict[str, Any]:
+    return {"name": s.name, **extra, "prefill_ms": m.prefill_ms, "decode_ms": m.decode_ms, "memory": m.memory,
+            "raw": m.raw, "spread": m.spread, "wall_s": round(m.wall_s, 3)}
+
+
+def _hybrid_fit(engine: Engine, parent: ArchSpec, workload: Workload, options: list[Any], ffn_points: int,
+                log: Callable[[str], None]) -> tuple[list[ArchSpec], list[Measurement], list[dict[str, Any]],
+                                                     dict[str, float], list[dict[str, Any]], dict[str, Any]]:
+    """Profiling models = the parent + ``N`` balanced random children; costs by least squares."""
+    from autocompress_nemo.profile.hybrid_fit import balanced_choices, feature_matrix, fit_costs
+    from autocompress_nemo.search.space import apply_choices, build_space
+
+    decisions = build_space(parent, engine.capabilities, ffn_points)
+    columns = list(options)
+    n_unknowns = len(columns) + 1
+    n = int(engine.setting("profile_models", 0)) or int(round(float(engine.setting("profile_models_per_unknown", 3))
+                                                               * n_unknowns))
+    seed = int(engine.setting("profile_seed", 1))
+    specs, seen = [parent.replace(name="parent")], {spec_hash(parent)}
+    for i, ch in enumerate(balanced_choices([len(d.options) for d in decisions], n, seed)):
+        s = apply_choices(parent, decisions, ch).replace(name=f"fit{i}")
+        if spec_hash(s) not in seen and not engine.check_servable(s, parent):
+            seen.add(spec_hash(s))
+            specs.append(s)
+    counts = feature_matrix(specs, columns)
+    unseen = [c for j, c in enumerate(columns) if not counts[:, j].any()]
+    if unseen:
+        raise ValueError(f"profiling design never uses {unseen}: raise engine.settings.profile_models")
+    log(f"[profile] hybrid fit: {len(specs)} profiling models (parent + {len(specs) - 1} balanced children of the "
+        f"search space) for {n_unknowns} unknowns; engine {engine.name} ({engine.version()}), workload {workload}")
+    t0 = time.time()
+    results = engine.measure_many(specs, workload,
+                                  log=_progress(log, len(specs) * int(engine.setting("rounds", 2)), t0))
+    fits = {p: fit_costs(counts, np.array([getattr(m, p) for m in results])) for p in PHASES}
+    intercept = {p: fits[p].intercept for p in PHASES}
+    blocks = [{"block": c.__dict__, **{p: float(fits[p].costs[j]) for p in PHASES}, "source": "fit",
+               "appearances": int(counts[:, j].sum())} for j, c in enumerate(columns)]
+    runs = [_run_row(s, m, k=0, block=None, blocks=[b.__dict__ for b in s.blocks], spec_hash=spec_hash(s),
+                     **{f"fit_{p}": float(fits[p].fitted[i]) for p in PHASES},
+                     **{f"loo_err_{p}_pct": float(fits[p].loo_pct[i]) for p in PHASES})
+            for i, (s, m) in enumerate(zip(specs, results, strict=True))]
+    fit_prov = {"models": len(specs), "unknowns": n_unknowns,
+                **{p: {**fits[p].summary(), "rank": fits[p].rank, "cond": fits[p].cond} for p in PHASES},
+                "note": "relative residuals of the weighted NNLS fit (in-sample) and leave-one-out"}
+    log("[profile] fit residuals: " + "; ".join(
+        f"{p}: rms {fits[p].summary()['rms_pct']:.2f}%, leave-one-out rms {fits[p].summary()['loo_rms_pct']:.2f}% "
+        f"max {fits[p].summary()['loo_max_pct']:.2f}%" for p in PHASES) + f" (rank {fits['decode_ms'].rank} of "
+        f"{n_unknowns}, cond {fits['decode_ms'].cond:.0f})")
+    return specs, results, blocks, intercept, runs, {"fit": fit_prov, "settings": {"models": len(specs),
+                                                                                    "seed": seed}}
+
+
+def _hybrid_differences(engine: Engine, parent: ArchSpec, workload: Workload, options: list[Any],
+                        log: Callable[[str], None]) -> tuple[list[ArchSpec], list[Measurement],
+                                                             list[dict[str, Any]], dict[str, float],
+                                                             list[dict[str, Any]], dict[str, Any]]:
+    """One difference of two models per option.
 
     Profiling model of option ``X``: the parent's blocks with ``k`` copies of ``X`` spread among
     them (``spread_copies``; ``k = engine.settings.profile_copies``, default 3); base = the parent
@@ -306,18 +424,15 @@ def build_hybrid_table(engine: Engine, parent: ArchSpec, workload: Workload, *, 
     counted once, in the routed part. (A block with no routed experts left is then priced without
     that overhead: a small underestimate.) Intercept = ``T(parent) - sum of the parent's block
     costs`` (embedding, final norm, LM head, framework overhead); no per-layer overhead term.
-    Workspace is not measured by engines that report none (``compute`` 0).
     """
     import dataclasses
 
     from autocompress_nemo.arch.spec import MoeBlock
     from autocompress_nemo.costs.table import moe_parts
 
-    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     k = int(engine.setting("profile_copies", 3))
     if k < 1:
         raise ValueError(f"engine.settings.profile_copies={k}: needs at least 1 copy")
-    options = hybrid_profile_options(parent, engine.capabilities, int(engine.setting("ffn_grid", ffn_points)))
     routed_p = next((moe_parts(b)[0] for b in parent.blocks if isinstance(b, MoeBlock) and not b.removed), None)
     jobs: list[tuple[str, Any]] = []
     for o in options:
@@ -329,18 +444,10 @@ def build_hybrid_table(engine: Engine, parent: ArchSpec, workload: Workload, *, 
             jobs.append((f"{o.kind}{len(jobs)}", o))
     specs = [parent.replace(name="base")] + [parent.replace(blocks=spread_copies(parent.blocks, x, k), name=n)
                                              for n, x in jobs]
-    t_start = time.time()
     log(f"[profile] hybrid: {len(specs)} profiling models (parent + {k} copies of each of {len(jobs)} block options); "
         f"engine {engine.name} ({engine.version()}), workload {workload}")
-    done = [0]
-    total = len(specs) * int(engine.setting("rounds", 2))
-
-    def progress(msg: str) -> None:
-        done[0] += 1
-        if done[0] % 10 == 0 or done[0] == total:
-            log(f"[profile {done[0]}/{total}] ~{(time.time() - t_start) / done[0] * (total - done[0]):.0f} s left")
-
-    results = engine.measure_many(specs, workload, log=progress)
+    results = engine.measure_many(specs, workload,
+                                  log=_progress(log, len(specs) * int(engine.setting("rounds", 2)), time.time()))
     base = results[0]
     slope = {n: {p: (getattr(m, p) - getattr(base, p)) / k for p in PHASES} for (n, _), m in zip(jobs, results[1:],
                                                                                             strict=True)}
@@ -368,27 +475,6 @@ def build_hybrid_table(engine: Engine, parent: ArchSpec, workload: Workload, *, 
         return sum(costs[q][p] for q in moe_parts(b) if not q.removed) if isinstance(b, MoeBlock) else costs[b][p]
 
     intercept = {p: getattr(base, p) - sum(parent_block_cost(b, p) for b in parent.blocks) for p in PHASES}
-    dtype = str(engine.cfg.dtype)
-    norm_dtype = "f32" if engine.name == "llama_cpp" else dtype
-    comp = [m.memory.get("compute", 0.0) for m in results]
-    memory = {"output_bytes": base.memory.get("output", 0.0), "compute_bytes": [],
-              "compute_base_bytes": base.memory.get("compute", 0.0), "compute_range": [min(comp), max(comp)],
-              "weights_overhead_bytes": base.memory.get("weights", 0.0) - weight_bytes(parent, dtype, norm_dtype),
-              "kv_tokens": workload.context_len * workload.batch, "norm_dtype": norm_dtype,
-              # conv-state columns beyond K-1 that the engine keeps (transformers: K), from the base's state
-              "conv_extra": conv_extra_columns(parent, workload.batch, "f32", base.memory.get("state", 0.0))
-              if not base.estimated else 0}
-    runs = [{"name": s.name, "k": 0 if i == 0 else k, "block": None if i == 0 else jobs[i - 1][1].__dict__,
-             "prefill_ms": m.prefill_ms, "decode_ms": m.decode_ms, "memory": m.memory, "raw": m.raw,
-             "spread": m.spread, "wall_s": round(m.wall_s, 3)} for i, (s, m) in enumerate(zip(specs, results, strict=True))]
-    settings = {kk: v for kk, v in dict(engine.cfg.settings or {}).items()}
-    settings.update({"percentile": float(engine.cfg.percentile), "method": "hybrid_append", "copies": k})
-    prov = make_provenance(engine.provenance(), workload.__dict__,
-                           workload.decode_context(str(engine.setting("decode_context", "mean"))),
-                           expected_settings(engine.cfg), parent)
-    prov.update({"profile_models": len(specs), "engine_runs": int(getattr(engine, "runs", len(specs))),
-                 "profile_wall_s": round(time.time() - t_start, 2), "profile": settings})
-    log(f"[profile] hybrid table: {len(blocks)} block options; intercept prefill {intercept['prefill_ms']:.3f} ms, "
-        f"decode {intercept['decode_ms']:.3f} ms; {time.time() - t_start:.0f} s")
-    return CostTable(provenance=prov, parent=parent, intercept=intercept,
-                     layer_overhead={p: 0.0 for p in PHASES}, blocks=blocks, memory=memory, runs=runs)
+    runs = [_run_row(s, m, k=0 if i == 0 else k, block=None if i == 0 else jobs[i - 1][1].__dict__,
+                     spec_hash=spec_hash(s)) for i, (s, m) in enumerate(zip(specs, results, strict=True))]
+    return specs, results, blocks, intercept, runs, {"settings": {"copies": k}}

@@ -123,6 +123,8 @@ def run_validate(cfg: Any, table_path: str | Path, out_dir: str | Path, *, n_ran
                     "response_latency_ms": m.prefill_ms + wl.output_len * m.decode_ms, "memory_bytes": m.memory_bytes}
             row: dict[str, Any] = {"name": spec.name, "pattern": spec.pattern, "layers": spec.num_layers,
                                    "reference": val.is_reference(spec, table)}
+            then = val.profiled_time(spec, table) if row["reference"] else None
+            row.update({f"table_{k}": v for k, v in (then or {}).items()})  # measured at profiling
             for k in val.METRICS:
                 row[f"pred_{k}"], row[f"meas_{k}"] = float(p[k]), float(meas[k])
                 row[f"err_{k}_pct"] = 100.0 * (p[k] - meas[k]) / meas[k] if meas[k] else float("nan")
@@ -134,7 +136,8 @@ def run_validate(cfg: Any, table_path: str | Path, out_dir: str | Path, *, n_ran
             print(f"    {spec.name}: decode {meas['decode_ms']:.3f} ms (pred {p['decode_ms']:.3f}, {row['err_decode_ms_pct']:+.2f}%), "
                   f"prefill {meas['prefill_ms']:.1f} ms ({row['err_prefill_ms_pct']:+.2f}%), memory "
                   f"{row['err_memory_bytes_pct']:+.3f}%", file=sys.stderr, flush=True)
-        ref = next((r for r in rows if r["reference"]), None)
+        ref = next((r for r in rows if r["reference"] and "table_decode_ms" in r),
+                   next((r for r in rows if r["reference"]), None))
         drift = val.drift_scale(ref, wl.output_len)
         summary = {"target": str(cfg.target.name), "engine": table.provenance["engine"], "label": table.label,
                    "estimated": table.estimated, "models": sum(not r["reference"] for r in rows),

@@ -5,9 +5,10 @@ groups, query heads, a mix); a model with whole layers removed; random heterogen
 (per-layer attention options and off-grid ffn widths, some blocks removed), each checked
 against the engine's capabilities (first layer keeps attention, last keeps ffn, no
 attention without ffn on llama.cpp). Hybrid candidates come from the hybrid search space
-(``stages_hybrid.validation_candidates``); there the parent *is* the table's base profiling model,
-so it is measured as the *reference* (``is_reference``): left out of the errors, and used to
-measure how much the machine's speed changed since profiling (``drift_scale``).
+(``stages_hybrid.validation_candidates``); there the parent is one of the table's profiling models,
+so it is measured as the *reference* (``is_reference``: any candidate whose spec hash is among the
+table's profiling models): left out of the errors, and used to measure how much the machine's speed
+changed since profiling (``drift_scale``).
 """
 
 from __future__ import annotations
@@ -84,12 +85,28 @@ def candidates(parent: ArchSpec, caps: Any, n_random: int = 8, seed: int = 0, ff
 
 
 def is_reference(spec: ArchSpec, table: Any) -> bool:
-    """True when ``spec`` is a model the table was profiled from: the parent of a hybrid table
-    (``settings.method == 'hybrid_append'``: its base run is the parent itself)."""
+    """True when ``spec`` is a model the table was profiled from (``provenance.profile_model_hashes``;
+    older hybrid tables: the parent, their base run). Such a model is left out of the errors."""
     from autocompress_nemo.costs.table import spec_hash
 
+    h = spec_hash(spec)
+    hashes = table.provenance.get("profile_model_hashes")
+    if hashes is not None:
+        return h in set(hashes)
     method = (table.provenance.get("profile") or {}).get("method")
-    return method == "hybrid_append" and spec_hash(spec) == table.provenance.get("parent")
+    return method == "hybrid_append" and h == table.provenance.get("parent")
+
+
+def profiled_time(spec: ArchSpec, table: Any) -> dict[str, float] | None:
+    """The times the table's own run of ``spec`` measured at profiling (``None`` if it has none)."""
+    from autocompress_nemo.costs.table import spec_hash
+
+    h = spec_hash(spec)
+    for r in table.runs:
+        if r.get("spec_hash") == h or (r.get("spec_hash") is None and r.get("name") == "base"
+                                       and h == table.provenance.get("parent")):
+            return {p: float(r[p]) for p in ("prefill_ms", "decode_ms")}
+    return None
 
 
 def errors(rows: list[dict[str, Any]], scale: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
@@ -110,15 +127,17 @@ def errors(rows: list[dict[str, Any]], scale: dict[str, float] | None = None) ->
 
 
 def drift_scale(reference: dict[str, Any] | None, output_len: int) -> dict[str, float]:
-    """Machine-speed change since profiling, from a reference model timed in both sessions (the
-    hybrid table's base model is the parent): ``s_p = T_now(ref) / T_table(ref)`` per phase ``p``;
-    response latency ``(s_pf * pf + O * s_dc * dc) / (pf + O * dc)`` of the reference; memory 1.
-    Empty without a reference. Predictions x ``s`` = what the table would say had it been built
-    at today's machine speed; the error left is the cost model's own."""
+    """Machine-speed change since profiling, from a reference model timed in both sessions (a
+    profiling model, typically the parent): ``s_p = T_now(ref) / T_table(ref)`` per phase ``p``, where
+    ``T_table`` is the reference's time measured at profiling (``table_<p>``; the table's prediction
+    when the row has none); response latency ``(s_pf * pf + O * s_dc * dc) / (pf + O * dc)`` of the
+    reference; memory 1. Empty without a reference. Predictions x ``s`` = what the table would say had
+    it been built at today's machine speed; the error left is the cost model's own."""
     if not reference:
         return {}
-    s = {p: reference[f"meas_{p}"] / reference[f"pred_{p}"] for p in ("prefill_ms", "decode_ms")}
-    pf, dc = reference["pred_prefill_ms"], reference["pred_decode_ms"]
+    then = {p: reference.get(f"table_{p}", reference[f"pred_{p}"]) for p in ("prefill_ms", "decode_ms")}
+    s = {p: reference[f"meas_{p}"] / then[p] for p in ("prefill_ms", "decode_ms")}
+    pf, dc = then["prefill_ms"], then["decode_ms"]
     s["response_latency_ms"] = (s["prefill_ms"] * pf + output_len * s["decode_ms"] * dc) / (pf + output_len * dc)
     s["memory_bytes"] = 1.0
     return s
@@ -128,12 +147,12 @@ def write_report(rows: list[dict[str, Any]], summary: dict[str, Any], out_dir: P
     """``validation.csv``, ``validation.json`` and ``validation.png`` (predicted vs measured per metric)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"csv": out_dir / "validation.csv", "json": out_dir / "validation.json", "png": out_dir / "validation.png"}
-    keys = [k for k in rows[0] if not isinstance(rows[0][k], (dict, list))]
+    keys = list(dict.fromkeys(k for r in rows for k in r if not isinstance(r[k], (dict, list))))
     with open(paths["csv"], "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=keys)
         wr.writeheader()
         for r in rows:
-            wr.writerow({k: r[k] for k in keys})
+            wr.writerow({k: r.get(k, "") for k in keys})
     paths["json"].write_text(json.dumps({"summary": summary, "rows": rows}, indent=1, default=str))
     import matplotlib
 
