@@ -22,6 +22,23 @@ from autocompress_nemo.utils.artifacts import write_json_atomic
 METHODS = {"autocompress": "AutoCompress", "minitron_pp": "Minitron++"}
 
 
+def search_capabilities(cfg: Any) -> dict[str, Any]:
+    """The target engine's capabilities, with what this run's own layout needs on top: under
+    expert parallelism (``cluster.ep``) every student keeps a multiple of EP routed experts per
+    MoE block (``expert_align = lcm(engine's, ep)``), so search, extraction and recovery
+    distillation can shard it the way they shard the parent."""
+    import math
+
+    from omegaconf import OmegaConf
+
+    caps = cfg.target.engine.capabilities
+    out = dict(OmegaConf.to_container(caps, resolve=True) if OmegaConf.is_config(caps) else (caps or {}))
+    ep = int(OmegaConf.select(cfg, "cluster.ep", default=1) or 1)
+    if ep > 1:
+        out["expert_align"] = math.lcm(int(out.get("expert_align") or 1), ep)
+    return out
+
+
 # -- rank -------------------------------------------------------------------------------------------
 def rank(ctx: Context, out: Path) -> None:
     """Importance from a calibration pass, the permutations, and the sorted parent."""
@@ -121,7 +138,7 @@ def search_core(ctx: Context, out: Path, method: str, spec: ArchSpec, sd: dict[s
     predictor = Predictor(load_table(cfg, table_path), cfg.target)
     budget, how = budgets(ctx, predictor, spec, validation_dir)
     costs = _Costs(predictor, tuple(budget))
-    decisions = build_space(spec, cfg.target.engine.capabilities, int(s.ffn_options))
+    decisions = build_space(spec, search_capabilities(cfg), int(s.ffn_options))
     ctx.say(f"[search:{method}] {describe(spec)}: budgets {budget} (relative ones against the {how} parent); "
             f"{len(decisions)} decisions ({', '.join(sorted({d.kind for d in decisions}))}), "
             f"{sum(len(d.options) for d in decisions)} options")

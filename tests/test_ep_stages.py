@@ -243,3 +243,55 @@ def test_ep2_distill_equals_ep1_and_resumes(runs) -> None:
         print(f"rank {r}: EP=2 kill at step 3 + resume vs uninterrupted max |dweight| = {dres:.2e}")
         assert dres < 1e-6
     assert two[0]["shards"] == two[1]["shards"] == ["mp_tp00_ep00_pp000.pt", "mp_tp00_ep01_pp000.pt"]
+
+
+def test_search_space_under_ep_keeps_multiples_of_ep_experts() -> None:
+    """A run laid out at EP=2 searches only students it can shard: every kept routed-expert count
+    is a multiple of 2 (the engine's own alignment allows 3 of 4)."""
+    from autocompress_nemo import stages
+    from autocompress_nemo.arch.from_config import spec_from_model_config
+    from autocompress_nemo.config.entry import compose
+    from autocompress_nemo.search.space import build_space
+
+    def counts(extra: list[str]) -> set[int]:
+        cfg = compose(["model=tiny_hybrid", "+target=tiny_hybrid_cpu", *extra])
+        spec = spec_from_model_config(cfg.model)
+        return {o.num_experts for d in build_space(spec, stages.search_capabilities(cfg))
+                if d.kind == "moe_routed" for o in d.options if not o.removed}
+
+    assert 3 in counts([])
+    assert counts(["cluster.ep=2"]) and all(n % 2 == 0 for n in counts(["cluster.ep=2"]))
+
+
+def _no_expert_student(rank: int, world: int, hf_sd: dict, spec_json: str) -> torch.Tensor:
+    from autocompress_nemo.arch.spec import ArchSpec
+    from autocompress_nemo.distributed import init_distributed
+    from autocompress_nemo.models.builder import build_model, forward_logits
+    from autocompress_nemo.models.hybrid import hf_to_megatron
+
+    spec = ArchSpec.from_json(spec_json)
+    init_distributed(tp=1, ep=world, seed=0)
+    model = build_model(spec)
+    hf_to_megatron(spec, hf_sd, model)
+    with torch.no_grad():
+        return forward_logits(model, torch.arange(12).view(1, 12) % spec.vocab)
+
+
+def test_student_without_routed_experts_builds_under_ep2(megatron_tp1) -> None:
+    """Minitron++ may remove every MoE block; at EP=2 that student still builds (its EP ranks hold
+    replicas) and computes what it computes at EP=1."""
+    import dataclasses
+
+    from hybrid_utils import conf_spec
+
+    from autocompress_nemo.arch.spec import MoeBlock
+    from autocompress_nemo.distributed.spawn import spawn
+    from autocompress_nemo.models.hybrid.state_dict import random_hf_state_dict
+
+    parent = conf_spec("tiny_hybrid")
+    spec = parent.replace(blocks=tuple(dataclasses.replace(b, num_experts=0, expert_ffn=0, top_k=0, shared_ffn=0)
+                                       if isinstance(b, MoeBlock) else b for b in parent.blocks))
+    hf_sd = random_hf_state_dict(spec, seed=2)
+    ref = _no_expert_student(0, 1, hf_sd, spec.to_json())
+    for logits in spawn(_no_expert_student, 2, hf_sd, spec.to_json()):
+        assert torch.allclose(logits, ref, atol=1e-6)

@@ -138,7 +138,12 @@ def test_minitron_pp_on_hybrid_removes_blocks_when_widths_cannot_meet_the_budget
     budget = {"decode_ms": 0.75 * cost.predict(spec)["decode_ms"]}
     assert width_only > budget["decode_ms"], "the test needs a budget no width-only candidate meets"
     cfg = SimpleNamespace(minitron_candidates=2, minitron_score_batches=1, minitron_retrain_steps=1,
-                          weight_lr=1e-5, kd_temperature=1.0)
+                          weight_lr=1e-5, kd_temperature=1.0, minitron_depth=False)
+    model = _hybrid_model(spec, sd)
+    with pytest.raises(ValueError, match="every block kept, as the paper's baseline"):  # the paper's Minitron++
+        run_minitron_pp(model, spec, decisions, cost, budget, lambda step: ids(spec, T=16, B=2, seed=step),
+                        forward_logits, cfg, log=lambda s: None, fresh_model=lambda: _hybrid_model(spec, sd))
+    cfg.minitron_depth = True  # the extension: Minitron's depth pruning
     logs: list[str] = []
     out = run_minitron_pp(_hybrid_model(spec, sd), spec, decisions, cost, budget,
                           lambda step: ids(spec, T=16, B=2, seed=step), forward_logits, cfg,

@@ -212,6 +212,10 @@ class SearchConfig:
     minitron_candidates: int = 4
     """Minitron++: feasible uniform candidates scored by distillation loss."""
     minitron_score_batches: int = 4
+    minitron_depth: bool = False
+    """Minitron++ as the paper defines it keeps every layer (uniform widths only). True adds
+    Minitron's depth pruning — the k least important removable blocks removed — an extension
+    beyond the paper's baseline, reported as such."""
     minitron_retrain_steps: int = 0
     """Minitron++: short distillation steps given to each scored candidate before scoring
     (Minitron's lightweight retraining of its top candidates); its tokens count as

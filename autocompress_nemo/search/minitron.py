@@ -1,5 +1,9 @@
 """Minitron++ baseline: a mode of the same code (``search=minitron_pp``), for every model family.
 
+The paper's Minitron++ keeps uniform layer dimensions and retains all layers: that is the default
+(width axis only). ``search.minitron_depth=true`` adds the depth axis below — an extension beyond
+the paper's baseline (Minitron itself prunes depth too), labelled as such in the log and arch.json.
+
 Same importance-sorted parent, same cost model and budgets, same supernet (``Supernet(...)``
 dispatches to ``HybridSupernet`` for MoE / Mamba parents, as the router search does). Minitron
 (Sreenivas et al. 2024; Nemotron-H's pruning of hybrids) prunes along two axes:
@@ -84,9 +88,13 @@ class MinitronOutcome(SearchOutcome):
 
     block_importance: list[dict[str, Any]] = field(default_factory=list)
     importance_tokens: int = 0
+    depth: bool = False
 
     def record(self) -> dict[str, Any]:
-        return {"block_importance": self.block_importance, "importance_tokens": self.importance_tokens,
+        variant = ("width + depth (search.minitron_depth=true: beyond the paper's baseline, which keeps every layer)"
+                   if self.depth else "width only, every layer kept (the paper's Minitron++)")
+        return {"variant": variant, "block_importance": self.block_importance,
+                "importance_tokens": self.importance_tokens,
                 "importance_metric": "KD loss of the parent with the unit alone removed (0 = no effect)"}
 
 
@@ -228,7 +236,8 @@ def run_minitron_pp(
     n_score = int(cfg.minitron_score_batches)
     temperature = float(cfg.kd_temperature)
     tokens = 0
-    units = removable_units(parent, decisions)
+    depth = bool(getattr(cfg, "minitron_depth", False))
+    units = removable_units(parent, decisions) if depth else []
     importance: list[dict[str, Any]] = []
     order: list[Unit] = []
     imp_tokens = 0
@@ -246,10 +255,12 @@ def run_minitron_pp(
             + f" ({imp_tokens} tokens)")
     feas = feasible_uniform(parent, decisions, costs, budgets, order)
     if not feas:
+        how = (f"with the 0..{len(order)} least important removable blocks removed" if depth else
+               "every block kept, as the paper's baseline; search.minitron_depth=true also lets it remove the "
+               "least important blocks")
         raise ValueError(
-            "Minitron++: no uniform architecture (one shape per block kind for all blocks, with the "
-            f"0..{len(order)} least important removable blocks removed) meets the budget; the heterogeneous "
-            "search space may still reach it"
+            f"Minitron++: no uniform architecture (one shape per block kind for all blocks, {how}) meets the "
+            "budget; the heterogeneous search space may still reach it"
         )
     top = select_candidates(feas, max(1, int(cfg.minitron_candidates)))
     ks = sorted({c.k for c in feas})
@@ -307,6 +318,7 @@ def run_minitron_pp(
         wall_s=time.time() - t0,
         block_importance=importance,
         importance_tokens=imp_tokens,
+        depth=depth,
     )
 
 

@@ -168,8 +168,10 @@ def model_config(spec: ArchSpec, *, params_dtype: torch.dtype = torch.float32, s
             moe_grouped_gemm=use_te, moe_permute_fusion=False, moe_router_fusion=False,
             moe_shared_expert_overlap=False,
         )
-    elif ep > 1:
-        raise ValueError(f"expert parallelism EP={ep} needs a model with routed experts; {spec.name!r} has none")
+    else:
+        # no routed experts anywhere (e.g. a student whose MoE blocks were all removed): nothing to
+        # shard over EP; the layout's EP ranks hold replicas like data-parallel ranks
+        cfg["expert_model_parallel_size"] = 1
     cfg.update(overrides)
     return TransformerConfig(**cfg)
 
