@@ -166,11 +166,14 @@ def search_core(ctx: Context, out: Path, method: str, spec: ArchSpec, sd: dict[s
     g_steps = 0
     if method == "autocompress" and verdict != "parent":
         final, g_steps = grow(spec, decisions, final, costs.predict, budget, imps, float(s.grow_threshold), log=ctx.say)
+    final, verified = verify_measured(ctx, out, spec, decisions, final, costs, budget, imps)
     child = apply_choices(spec, decisions, final).replace(name=f"{spec.name}-{method}")
     pred = predictor.predict(child)
     rec = arch_record(method, spec, child, decisions, outcome.probs, outcome.choices, final, pred,
                       predictor.predict(spec), budget, outcome.tokens, r_steps, g_steps, predictor.table.label)
     rec.update(budget_reference=how, params=param_count(child), search_wall_s=round(outcome.wall_s, 2))
+    if verified:
+        rec["verified_in_engine"] = verified
     if method == "minitron_pp" and hasattr(outcome, "record"):  # Minitron++'s depth axis (search/minitron.py)
         rec["minitron"] = outcome.record()
     write_json_atomic(out / "arch.json", rec)
@@ -342,10 +345,7 @@ def evaluate(ctx: Context, out: Path, rank_dir: Path, table_path: Path, validati
     measured = engine.measure_many(specs, wl, log=lambda m: ctx.say(f"[evaluate] {m}"))
     label = f"{engine.name} {engine.version()} on {engine.device()}" + (" (estimated, not measured)" if engine.estimated else "")
     for n, m in zip(models, measured, strict=True):
-        meas = {"prefill_ms": m.prefill_ms, "ttft_ms": m.prefill_ms, "decode_ms": m.decode_ms, "tpot_ms": m.decode_ms,
-                "response_latency_ms": m.prefill_ms + wl.output_len * m.decode_ms,
-                "throughput_tps": 1000.0 * wl.batch / m.decode_ms if m.decode_ms else float("inf"),
-                "memory_bytes": m.memory_bytes, "params": float(param_count(models[n][0]))}
+        meas = measured_metrics(m, wl, models[n][0])
         r = results["models"][n]
         r["measured"] = meas
         r["measured_memory"] = m.memory
@@ -363,6 +363,64 @@ def evaluate(ctx: Context, out: Path, rank_dir: Path, table_path: Path, validati
         ctx.say(f"[evaluate] {n}: ppl {r['accuracy']['heldout_ppl']:.3f} params {r['params']:,} "
                 + " ".join(f"{k} {c['measured']:.4g}/{c['budget']:.4g} {'PASS' if c['pass'] else 'FAIL'}"
                            for k, c in r["budget_check"].items()))
+
+
+def measured_metrics(m: Any, wl: Any, spec: ArchSpec) -> dict[str, float]:
+    """One engine ``Measurement`` in the budget metrics' names and units: response latency
+    ``prefill + output_len * decode``, throughput ``1000 * batch / decode`` tok/s."""
+    return {"prefill_ms": m.prefill_ms, "ttft_ms": m.prefill_ms, "decode_ms": m.decode_ms, "tpot_ms": m.decode_ms,
+            "response_latency_ms": m.prefill_ms + wl.output_len * m.decode_ms,
+            "throughput_tps": 1000.0 * wl.batch / m.decode_ms if m.decode_ms else float("inf"),
+            "memory_bytes": m.memory_bytes, "params": float(param_count(spec))}
+
+
+def verify_measured(ctx: Context, out: Path, parent: ArchSpec, decisions: list, choices: list[int], costs: Any,
+                    budget: dict[str, float], imps: list[list[float]]) -> tuple[list[int], list[dict[str, Any]]]:
+    """Close the loop on the real engine before any weights are sliced: measure the chosen
+    architecture in the target's engine; while it misses a budget ``b_m`` (measured ``c_m > b_m``),
+    tighten that metric's *predicted* target to ``min(t_m, 0.99 * b_m * p_m / c_m)`` (``p_m`` the
+    prediction: the table's error on this very model is taken out) and repair again — at most
+    ``search.verify_rounds`` times. Measured engines only (an analytic one has nothing to add);
+    timing runs on rank 0 and its result is broadcast, so every rank makes the same choices."""
+    from autocompress_nemo.costs.engines import get_engine
+    from autocompress_nemo.costs.engines.base import Workload
+    from autocompress_nemo.extract.repair import repair
+    from autocompress_nemo.pipeline import is_rank0
+    from autocompress_nemo.search.space import apply_choices
+
+    rounds = int(ctx.cfg.search.get("verify_rounds", 0) or 0)
+    engine = get_engine(ctx.cfg.target, workdir=out / "verify_engine")
+    if rounds <= 0 or engine.estimated:
+        return choices, []
+    wl = Workload.from_config(ctx.cfg.target.workload)
+    target, history = dict(budget), []
+    try:
+        for r in range(rounds + 1):
+            child = apply_choices(parent, decisions, choices)
+            meas = [measured_metrics(engine.measure(child, wl), wl, child) if is_rank0() else None]
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.broadcast_object_list(meas, src=0)
+            c, p = meas[0], costs.predict(child)
+            over = {m: c[m] for m, b in budget.items() if c[m] > b}
+            history.append({"round": r, "measured": {m: c[m] for m in budget}, "predicted": {m: p[m] for m in budget},
+                            "predicted_target": dict(target), "pass": not over})
+            ctx.say(f"[search:verify] round {r}: measured in {engine.name} "
+                    + ", ".join(f"{m} {c[m]:.4g} (predicted {p[m]:.4g}) / budget {b:.4g}" for m, b in budget.items())
+                    + (" PASS" if not over else " -> over budget"))
+            if not over:
+                break
+            if r == rounds:
+                ctx.say(f"[search:verify] still over budget after {rounds} repair rounds on measurements: "
+                        "the evaluate stage will report it (raise search.verify_rounds or loosen the budget)")
+                break
+            for m in over:
+                target[m] = min(target[m], 0.99 * budget[m] * p[m] / c[m])
+            choices, _ = repair(parent, decisions, choices, costs.predict, target, imps, log=ctx.say)
+    finally:
+        import shutil
+
+        shutil.rmtree(out / "verify_engine", ignore_errors=True)
+    return choices, history
 
 
 def _numbers(d: dict[str, Any]) -> dict[str, float]:

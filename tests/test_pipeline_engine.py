@@ -28,6 +28,10 @@ def test_tiny_pipeline_end_to_end_in_llama_cpp(tmp_path, capsys) -> None:
         assert m["accuracy"]["heldout_ppl"] > 1
         assert "stdlib_next_line" in m["accuracy"]["lm_eval"]
     assert set(ev["before_recovery"]) == {"autocompress", "minitron_pp"}
+    for m in ("autocompress", "minitron_pp"):  # the chosen architecture was measured in llama.cpp before slicing
+        verified = json.loads((run / f"search_{m}" / "arch.json").read_text())["verified_in_engine"]
+        assert verified[0]["measured"]["decode_ms"] > 0
+        assert verified[-1]["pass"] or len(verified) == 3  # passes, or every repair round (verify_rounds=2) was used
     report = (run / "report.md").read_text()
     assert "## Budget compliance" in report and "measured in llama_cpp" in report
     version = json.loads((run / "profile" / "cost_table" / "cost_table.json").read_text())["provenance"]["engine_version"]

@@ -212,6 +212,10 @@ class SearchConfig:
     minitron_candidates: int = 4
     """Minitron++: feasible uniform candidates scored by distillation loss."""
     minitron_score_batches: int = 4
+    verify_rounds: int = 2
+    """After repair / grow, measure the chosen architecture in the target's engine (measured
+    engines only); while it misses a budget, tighten that metric's predicted target by the
+    measured / predicted ratio and repair again, at most this many times (0: trust the table)."""
     minitron_depth: bool = False
     """Minitron++ as the paper defines it keeps every layer (uniform widths only). True adds
     Minitron's depth pruning — the k least important removable blocks removed — an extension
