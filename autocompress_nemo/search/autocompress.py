@@ -176,8 +176,11 @@ def run_router_search(
     par = Parallel.detect()
     router_params = list(router.parameters())
     start, trajectory, tokens = 0, [], 0
-    if checkpoint and os.path.exists(checkpoint):
-        st = torch.load(checkpoint, weights_only=False)
+    st = torch.load(checkpoint, weights_only=False) if checkpoint and os.path.exists(checkpoint) else None
+    if st is not None and not all(bool(torch.isfinite(v).all()) for v in st["router"].values()):
+        log(f"search: checkpoint {checkpoint} holds non-finite router logits; starting from step 0")
+        st = None
+    if st is not None:
         router.load_state_dict(st["router"])
         opt.load_state_dict(st["opt"])
         gen.set_state(st["gen"])
@@ -188,6 +191,7 @@ def run_router_search(
             wopt.load_state_dict(w["wopt"])
         log(f"search: resumed at step {start}")
     t0 = time.time()
+    skipped = 0
     for step in range(start, cfg.steps):
         tau = temperature(step, cfg.steps, cfg.tau_start, cfg.tau_end)
         x = batch_at(step)
@@ -214,9 +218,20 @@ def run_router_search(
         )
         if torch.is_tensor(pen) and pen.requires_grad:
             pen.backward()
-        opt.step()
-        if wopt is not None:
-            wopt.step()
+        # A non-finite gradient (reduced: the same verdict on every rank) skips the update instead
+        # of turning the router's logits into NaN, as a loss scaler skips an overflowing step.
+        checked = router_params + (weight_params if wopt is not None else [])
+        finite = torch.tensor([float(all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in checked))])
+        if par.world > 1:  # expert weights differ per rank: every rank takes the same verdict
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        finite = bool(finite.item())
+        if finite:
+            opt.step()
+            if wopt is not None:
+                wopt.step()
+        else:
+            skipped += 1
+            log(f"search step {step + 1}: non-finite router gradient, update skipped ({skipped} so far)")
         tokens += x.numel()
         row = {
             "step": step,
@@ -224,6 +239,7 @@ def run_router_search(
             "kd": par.mean_over_dp(float(kd.detach())),
             "penalty": float(pen.detach()) if torch.is_tensor(pen) else float(pen),
             "entropy": router.entropy(),
+            "skipped": not finite,
             **{f"expected_{m}": float(exp[m].detach()) for m in budgets},
             **{f"budget_{m}": b for m, b in budgets.items()},
         }

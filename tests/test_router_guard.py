@@ -1,0 +1,50 @@
+"""The router search survives a non-finite step: the update is skipped (the logits stay finite and
+the search ends with valid choices), and a checkpoint holding non-finite logits is not resumed."""
+
+from __future__ import annotations
+
+import torch
+
+from autocompress_nemo.arch.counts import param_count
+from autocompress_nemo.models.builder import forward_logits
+from autocompress_nemo.search.autocompress import run_router_search
+from autocompress_nemo.search.space import build_space
+from tests.method_utils import CAPS, ParamCost, megatron_from_hf, tiny_parent
+
+
+class Cfg:
+    steps, router_lr, weight_lr, train_weights = 6, 0.1, 1e-4, False
+    tau_start, tau_end, penalty_over, penalty_under, slack = 2.0, 0.2, 20.0, 2.0, 0.05
+    kd_temperature, checkpoint_every = 1.0, 1
+
+
+def test_nan_step_is_skipped_and_nan_checkpoint_not_resumed(tmp_path, megatron_tp1) -> None:
+    spec, sd = tiny_parent()
+    model = megatron_from_hf(spec, sd)
+    decisions = build_space(spec, CAPS, ffn_options=4)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, spec.vocab, (2, 16), generator=g) for _ in range(6)]
+    calls = {"n": 0}
+
+    def forward(m, x):  # noqa: ANN001, ANN202 - the student's forward of step 3 (call 6) goes NaN
+        calls["n"] += 1
+        out = forward_logits(m, x)
+        return out * float("nan") if calls["n"] == 6 else out
+
+    logs: list[str] = []
+    ckpt = str(tmp_path / "router.pt")
+    out = run_router_search(model, spec, decisions, ParamCost(), {"params": 0.75 * param_count(spec)},
+                            lambda s: batches[s], forward, Cfg(), seed=1, log=logs.append, checkpoint=ckpt)
+    assert [r["skipped"] for r in out.trajectory] == [False, False, True, False, False, False]
+    assert any("update skipped" in s for s in logs)
+    assert all(len(p) == len(d.options) and all(v == v for v in p) for p, d in zip(out.probs, decisions))
+    assert all(0 <= c < len(d.options) for c, d in zip(out.choices, decisions))
+    # a checkpoint whose logits went non-finite (older code) is not resumed
+    st = torch.load(ckpt, weights_only=False)
+    st["router"] = {k: v * float("nan") for k, v in st["router"].items()}
+    torch.save(st, ckpt)
+    logs.clear()
+    again = run_router_search(model, spec, decisions, ParamCost(), {"params": 0.75 * param_count(spec)},
+                              lambda s: batches[s], forward_logits, Cfg(), seed=1, log=logs.append, checkpoint=ckpt)
+    assert any("non-finite router logits; starting from step 0" in s for s in logs)
+    assert len(again.trajectory) == Cfg.steps
