@@ -37,8 +37,8 @@ def test_nan_step_is_skipped_and_nan_checkpoint_not_resumed(tmp_path, megatron_t
                             lambda s: batches[s], forward, Cfg(), seed=1, log=logs.append, checkpoint=ckpt)
     assert [r["skipped"] for r in out.trajectory] == [False, False, True, False, False, False]
     assert any("update skipped" in s for s in logs)
-    assert all(len(p) == len(d.options) and all(v == v for v in p) for p, d in zip(out.probs, decisions))
-    assert all(0 <= c < len(d.options) for c, d in zip(out.choices, decisions))
+    assert all(len(p) == len(d.options) and all(v == v for v in p) for p, d in zip(out.probs, decisions, strict=True))
+    assert all(0 <= c < len(d.options) for c, d in zip(out.choices, decisions, strict=True))
     # a checkpoint whose logits went non-finite (older code) is not resumed
     st = torch.load(ckpt, weights_only=False)
     st["router"] = {k: v * float("nan") for k, v in st["router"].items()}
