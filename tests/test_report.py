@@ -137,8 +137,14 @@ def test_report_reads_the_pipeline_layout(tmp_path: Path) -> None:
         "budgets": {"decode_ms": 1.2}, "budget_reference": "0.6x the parent measured in validation",
         "models": {"parent": model(PARENT, 10.0, False), "autocompress": model(AC, 12.0, True),
                    "minitron_pp": model(MPP, 13.0, True)},
-        "methods": {"autocompress": {"trajectory": traj, "selection_tokens": 1000, "recovery_tokens": 5000},
-                    "minitron_pp": {"trajectory": [], "selection_tokens": 800, "recovery_tokens": 5000}},
+        "methods": {"autocompress": {"trajectory": traj, "selection_tokens": 1000, "recovery_tokens": 5000,
+                                     "arch": {"verified_in_engine": [
+                                         {"round": 0, "measured": {"decode_ms": 1.31}, "predicted": {"decode_ms": 1.19},
+                                          "predicted_target": {"decode_ms": 1.2}, "pass": False},
+                                         {"round": 1, "measured": {"decode_ms": 1.1}, "predicted": {"decode_ms": 1.0},
+                                          "predicted_target": {"decode_ms": 1.079}, "pass": True}]}},
+                    "minitron_pp": {"trajectory": [], "selection_tokens": 800, "recovery_tokens": 5000,
+                                    "arch": {"minitron": {"variant": "width only, every layer kept"}}}},
         "validation": {"errors": {"decode_ms": {"mape": 1.0, "max_ape": 2.0, "bias": 0.1, "n": 6}},
                        "label": "measured", "estimated": False, "engine": "llama_cpp", "models": 6},
         "stages_wall_s": {"profile": 10.0, "distill_autocompress": 50.0, "rank": None},
@@ -147,6 +153,9 @@ def test_report_reads_the_pipeline_layout(tmp_path: Path) -> None:
     md = paths["report.md"].read_text()
     assert f"measured in {label}" in md and f"predicted from the cost table measured in {label}" in md
     assert "AutoCompress 12 vs Minitron++ 13 — AutoCompress is lower" in md
+    assert "| AutoCompress | 0 | decode_ms | 1.31 | 1.19 | 1.2 | over |" in md
+    assert "| AutoCompress | 1 | decode_ms | 1.1 | 1 | 1.079 | PASS |" in md
+    assert "- Minitron++: width only, every layer kept." in md
     assert "| search | 1,000 |" in md and "| recovery | 5,000 |" in md and "| distill_autocompress | 50.0 |" in md
     assert "search_trajectory" in paths and "0.6x the parent measured in validation" in md
     rep = json.loads(paths["report.json"].read_text())

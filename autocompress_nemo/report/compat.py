@@ -65,6 +65,11 @@ def _model(entry: dict[str, Any], method: dict[str, Any], validation: dict[str, 
     e["accuracy"] = acc
     if method.get("recovery_tokens"):
         e.setdefault("recovery_tokens", method["recovery_tokens"])
+    arch = method.get("arch") or {}
+    if arch.get("verified_in_engine"):  # search_core.verify_measured: the architecture measured before slicing
+        e.setdefault("engine_check_before_slicing", arch["verified_in_engine"])
+    if (arch.get("minitron") or {}).get("variant"):
+        e.setdefault("selection_variant", arch["minitron"]["variant"])
     return e
 
 

@@ -287,6 +287,29 @@ def _tokens_wall(res: dict[str, Any]) -> list[str]:
     return out
 
 
+def _selection(res: dict[str, Any]) -> list[str]:
+    """How each student's architecture was settled before any weights were sliced: the engine
+    measurements of ``search.verify_rounds`` (a miss tightens the predicted target and repairs),
+    and which Minitron++ variant ran."""
+    rows, notes = [], []
+    for e in res["models"].values():
+        for r in e.get("engine_check_before_slicing") or []:
+            for m, c in (r.get("measured") or {}).items():
+                rows.append([e["label"], r.get("round"), m, fmt(c, m), fmt((r.get("predicted") or {}).get(m), m),
+                             fmt((r.get("predicted_target") or {}).get(m), m), "PASS" if r.get("pass") else "over"])
+        if e.get("selection_variant"):
+            notes.append(f"- {e['label']}: {e['selection_variant']}.")
+    out = []
+    if rows:
+        out += [table(["model", "round", "metric", "measured", "predicted", "predicted target", "result"], rows), "",
+                "Measured in the target's engine on the architecture alone (random weights) before slicing; a "
+                "round over budget tightens that metric's predicted target by the table's error on that model "
+                "and repairs again.", ""]
+    out += notes
+    return out or ["No architecture was measured before slicing (the engine is an estimate, or "
+                   "search.verify_rounds=0)."]
+
+
 def render_markdown(res: dict[str, Any]) -> str:
     run = res["run"]
     parts = [f"# AutoCompress report{(' — ' + run['name']) if run.get('name') else ''}", ""]
@@ -295,7 +318,7 @@ def render_markdown(res: dict[str, Any]) -> str:
     sections = [("Summary", _summary(res)), ("Target and budgets", _target(res)), ("Models", _models(res)),
                 ("Costs: predicted and measured", _costs(res)), ("Budget compliance", _checks(res)),
                 ("Accuracy", _accuracy(res)), ("Before recovery distillation", _before_recovery(res)),
-                ("Per-block widths", _widths(res)),
+                ("Per-block widths", _widths(res)), ("Architecture checks before slicing", _selection(res)),
                 ("Cost-model validation", _validation(res)), ("Tokens and wall time", _tokens_wall(res))]
     for title, lines in sections:
         parts += [f"## {title}", "", *lines, ""]
