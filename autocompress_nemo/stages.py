@@ -396,8 +396,8 @@ def verify_measured(ctx: Context, out: Path, parent: ArchSpec, decisions: list, 
     target, history = dict(budget), []
     try:
         for r in range(rounds + 1):
-            child = apply_choices(parent, decisions, choices)
-            meas = [measured_metrics(engine.measure(child, wl), wl, child) if is_rank0() else None]
+            child = apply_choices(parent, decisions, choices).replace(name=f"{parent.name}-candidate{r}")
+            meas = [measured_metrics(engine.measure_many([child], wl)[0], wl, child) if is_rank0() else None]
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.broadcast_object_list(meas, src=0)
             c, p = meas[0], costs.predict(child)

@@ -28,9 +28,10 @@ class SlowerEngine:
 
     name, estimated, measured = "fake", False, 0
 
-    def measure(self, spec, wl):  # noqa: ANN001, ANN201
-        SlowerEngine.measured += 1
-        return SimpleNamespace(prefill_ms=1.0, decode_ms=1.08 * param_count(spec) / 1e4, memory_bytes=0.0)
+    def measure_many(self, specs, wl):  # noqa: ANN001, ANN201
+        SlowerEngine.measured += len(specs)
+        return [SimpleNamespace(prefill_ms=1.0, decode_ms=1.08 * param_count(s) / 1e4, memory_bytes=0.0)
+                for s in specs]
 
 
 def _ctx(rounds: int) -> SimpleNamespace:
