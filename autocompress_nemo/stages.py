@@ -166,7 +166,8 @@ def search_core(ctx: Context, out: Path, method: str, spec: ArchSpec, sd: dict[s
     g_steps = 0
     if method == "autocompress" and verdict != "parent":
         final, g_steps = grow(spec, decisions, final, costs.predict, budget, imps, float(s.grow_threshold), log=ctx.say)
-    final, verified = verify_measured(ctx, out, spec, decisions, final, costs, budget, imps)
+    final, verified = verify_measured(ctx, out, spec, decisions, final, costs, budget, imps,
+                                      float(s.grow_threshold) if method == "autocompress" else None)
     child = apply_choices(spec, decisions, final).replace(name=f"{spec.name}-{method}")
     pred = predictor.predict(child)
     rec = arch_record(method, spec, child, decisions, outcome.probs, outcome.choices, final, pred,
@@ -375,16 +376,18 @@ def measured_metrics(m: Any, wl: Any, spec: ArchSpec) -> dict[str, float]:
 
 
 def verify_measured(ctx: Context, out: Path, parent: ArchSpec, decisions: list, choices: list[int], costs: Any,
-                    budget: dict[str, float], imps: list[list[float]]) -> tuple[list[int], list[dict[str, Any]]]:
+                    budget: dict[str, float], imps: list[list[float]],
+                    grow_threshold: float | None = None) -> tuple[list[int], list[dict[str, Any]]]:
     """Close the loop on the real engine before any weights are sliced: measure the chosen
     architecture in the target's engine; while it misses a budget ``b_m`` (measured ``c_m > b_m``),
     tighten that metric's *predicted* target to ``min(t_m, 0.99 * b_m * p_m / c_m)`` (``p_m`` the
     prediction: the table's error on this very model is taken out) and repair again — at most
-    ``search.verify_rounds`` times. Measured engines only (an analytic one has nothing to add);
+    ``search.verify_rounds`` times; with ``grow_threshold`` (AutoCompress) the repaired model is grown
+    back toward the corrected targets, as extraction grows it, and measured again. Measured engines only (an analytic one has nothing to add);
     timing runs on rank 0 and its result is broadcast, so every rank makes the same choices."""
     from autocompress_nemo.costs.engines import get_engine
     from autocompress_nemo.costs.engines.base import Workload
-    from autocompress_nemo.extract.repair import repair
+    from autocompress_nemo.extract.repair import grow, repair
     from autocompress_nemo.pipeline import is_rank0
     from autocompress_nemo.search.space import apply_choices
 
@@ -403,7 +406,7 @@ def verify_measured(ctx: Context, out: Path, parent: ArchSpec, decisions: list, 
             c, p = meas[0], costs.predict(child)
             over = {m: c[m] for m, b in budget.items() if c[m] > b}
             history.append({"round": r, "measured": {m: c[m] for m in budget}, "predicted": {m: p[m] for m in budget},
-                            "predicted_target": dict(target), "pass": not over})
+                            "predicted_target": dict(target), "budget": dict(budget), "pass": not over})
             ctx.say(f"[search:verify] round {r}: measured in {engine.name} "
                     + ", ".join(f"{m} {c[m]:.4g} (predicted {p[m]:.4g}) / budget {b:.4g}" for m, b in budget.items())
                     + (" PASS" if not over else " -> over budget"))
@@ -416,6 +419,8 @@ def verify_measured(ctx: Context, out: Path, parent: ArchSpec, decisions: list, 
             for m in over:
                 target[m] = min(target[m], 0.99 * budget[m] * p[m] / c[m])
             choices, _ = repair(parent, decisions, choices, costs.predict, target, imps, log=ctx.say)
+            if grow_threshold is not None:
+                choices, _ = grow(parent, decisions, choices, costs.predict, target, imps, grow_threshold, log=ctx.say)
     finally:
         import shutil
 

@@ -75,3 +75,4 @@ def test_off_or_estimated_engine_changes_nothing(tmp_path, monkeypatch) -> None:
     assert stages.verify_measured(_ctx(2), tmp_path, spec, decisions, choices, TableCost(), {"decode_ms": 1.0},
                                   []) == (choices, [])
     assert SlowerEngine.measured == 0
+

@@ -295,8 +295,10 @@ def _selection(res: dict[str, Any]) -> list[str]:
     for e in res["models"].values():
         for r in e.get("engine_check_before_slicing") or []:
             for m, c in (r.get("measured") or {}).items():
+                b = (r.get("budget") or {}).get(m)
+                ok = r.get("pass") if b is None else c <= b
                 rows.append([e["label"], r.get("round"), m, fmt(c, m), fmt((r.get("predicted") or {}).get(m), m),
-                             fmt((r.get("predicted_target") or {}).get(m), m), "PASS" if r.get("pass") else "over"])
+                             fmt((r.get("predicted_target") or {}).get(m), m), "PASS" if ok else "over"])
         if e.get("selection_variant"):
             notes.append(f"- {e['label']}: {e['selection_variant']}.")
     out = []
