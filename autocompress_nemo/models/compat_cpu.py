@@ -130,11 +130,13 @@ def _patch_causal_mask() -> None:
 # Triton kernels (``mamba_chunk_scan_combined`` for the chunked SSD scan, ``rmsnorm_fn`` for
 # the gated RMSNorm) that need a GPU. Safe because: the stand-in extension is only imported,
 # never called (Megatron's Mamba-2 path does not use the Mamba-1 selective scan; any call
-# raises); the scan and the norm are replaced by mamba-ssm's own reference implementations
-# (``ssd_chunk_scan_combined_ref``, ``rms_norm_ref``), which compute the same functions in
-# plain PyTorch (differentiable). The reference scan needs the sequence to be a multiple of
-# the chunk size: it is zero-padded at the end, which cannot change earlier outputs of a
-# causal scan. Only the full-sequence path is adapted (no initial / final states: no
+# raises); the norm is replaced by mamba-ssm's own reference implementation (``rms_norm_ref``)
+# and the scan by ``_ssd_scan_reference``: the decomposition of mamba-ssm's reference
+# ``ssd_chunk_scan_combined_ref`` in plain PyTorch (differentiable), with its decay matrices
+# masked *before* the exponential (the reference's backward is NaN once a chunk's
+# ``sum(dt * |A|)`` exceeds ~88.7: tests/test_ep_router_nan.py). The scan needs the sequence to
+# be a multiple of the chunk size: it is zero-padded at the end, which cannot change earlier
+# outputs of a causal scan. Only the full-sequence path is adapted (no initial / final states: no
 # incremental decoding on CPU). Needs ``use_mamba_mem_eff_path=False`` (the fused
 # conv+scan+norm kernel has no reference); the hybrid builder sets it on CPU.
 class _MissingCudaExtension:
@@ -150,28 +152,82 @@ class _MissingCudaExtension:
         )
 
 
+def _causal_decay(cs: torch.Tensor) -> torch.Tensor:
+    """``decay[..., l, s] = exp(cs[l] - cs[s])`` for ``s <= l`` and exactly 0 above the diagonal.
+
+    ``cs`` is a cumulative log-decay (``cumsum(dt * A)``, non-increasing), so the causal entries
+    are ``<= 1``; the acausal ones, ``+sum(dt * |A|)`` over up to a whole chunk, overflow float32
+    above ~88.7. They are set to ``-inf`` *before* the exponential: ``exp(-inf) = 0`` and its
+    derivative ``0`` (masking after ``exp`` leaves ``inf`` there, and the backward ``0 * inf``
+    is NaN).
+    """
+    T = cs.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=cs.device).tril()
+    return torch.exp((cs[..., :, None] - cs[..., None, :]).masked_fill(~causal, float("-inf")))
+
+
 def _ssd_scan_reference(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,  # noqa: ANN001, ANN201
                         initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
                         dt_limit=(0.0, float("inf")), return_final_states=False,
                         return_varlen_states=False, **_ignored):
-    """``mamba_chunk_scan_combined`` computed by mamba-ssm's reference ``ssd_chunk_scan_combined_ref``."""
-    from mamba_ssm.ops.triton.ssd_combined import ssd_chunk_scan_combined_ref
+    """``mamba_chunk_scan_combined`` (Mamba-2 SSD) in plain PyTorch, chunk by chunk.
 
+    Shapes: x ``[b, L, h, p]``, dt ``[b, L, h]``, A ``[h]``, B/C ``[b, L, g, n]``. With
+    ``dt <- softplus(dt + dt_bias)``, ``a_t = dt_t * A`` and the state ``S_t [h, p, n]``::
+
+        S_t = exp(a_t) S_{t-1} + dt_t x_t B_t^T,      y_t = S_t C_t + D x_t,      y <- y * silu(z)
+
+    computed per chunk of ``chunk_size`` (``cs`` the in-chunk cumsum of ``a``): the in-chunk
+    part ``sum_{s<=l} (C_l.B_s) exp(cs_l - cs_s) dt_s x_s``, each chunk's end state
+    ``sum_s exp(cs_end - cs_s) dt_s x_s B_s^T``, the states carried across chunks with the
+    chunk totals, and their read-out ``exp(cs_l) C_l S_prev``. The same decomposition and
+    einsums as mamba-ssm's ``ssd_chunk_scan_combined_ref``, except that the decay matrices are
+    masked before the exponential (``_causal_decay``): the reference exponentiates the acausal
+    entries too, which overflow when a chunk's ``sum(dt * |A|)`` exceeds ~88.7, and its
+    backward then gives NaN gradients while the forward stays finite.
+    """
     if initial_states is not None or seq_idx is not None or cu_seqlens is not None:
         raise NotImplementedError("CPU Mamba scan: initial states / packed sequences are not supported")
     if return_final_states or return_varlen_states:
         raise NotImplementedError("CPU Mamba scan: returning final states (incremental decoding) is not supported")
     if tuple(dt_limit) != (0.0, float("inf")):
         raise NotImplementedError(f"CPU Mamba scan: dt_limit={dt_limit} is not supported")
-    L = x.shape[1]
-    pad = (-L) % chunk_size
+    b, L, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    pad = (-L) % chunk_size  # zero-padding at the end cannot change earlier outputs of a causal scan
     if pad:
         def _p(t):  # noqa: ANN001, ANN202 - pad the sequence dim (dim 1) at the end
             return None if t is None else torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
 
         x, dt, B, C, z = _p(x), _p(dt), _p(B), _p(C), _p(z)
-    out = ssd_chunk_scan_combined_ref(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
-    return out[:, :L]
+    c, q = (L + pad) // chunk_size, chunk_size
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    if dt_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    dt = dt.view(b, c, q, h).permute(0, 3, 1, 2)  # [b, h, c, q]
+    cs = torch.cumsum(dt * A.float().view(h, 1, 1), dim=-1)  # [b, h, c, q]
+    xc = x.view(b, c, q, h, p)
+    Bc = B.repeat_interleave(h // g, dim=2).view(b, c, q, h, n)
+    Cc = C.repeat_interleave(h // g, dim=2).view(b, c, q, h, n)
+    # in-chunk: sum_{s<=l} (C_l . B_s) exp(cs_l - cs_s) dt_s x_s
+    CB = torch.einsum("bclhn,bcshn->bchls", Cc, Bc)
+    scores = (CB * _causal_decay(cs).permute(0, 2, 1, 3, 4)).to(x.dtype)
+    y = torch.einsum("bchls,bhcs,bcshp->bclhp", scores, dt.to(x.dtype), xc)
+    # each chunk's end state, then the states entering each chunk (chunk totals, initial state 0)
+    end = torch.einsum("bclhn,bhcl,bhcl,bclhp->bchpn", Bc, torch.exp(cs[..., -1:] - cs).to(x.dtype),
+                       dt.to(x.dtype), xc).float()
+    end = torch.cat([torch.zeros_like(end[:, :1]), end], dim=1).reshape(b, c + 1, h, p * n)
+    totals = torch.nn.functional.pad(cs[..., -1], (1, 0)).cumsum(dim=-1)  # [b, h, c + 1]
+    prev = torch.einsum("bhzc,bchd->bzhd", _causal_decay(totals), end)[:, :-1].reshape(b, c, h, p, n)
+    y = y + torch.einsum("bclhn,bchpn->bclhp", Cc, prev.to(C.dtype)) * torch.exp(cs.permute(0, 2, 3, 1)).unsqueeze(-1)
+    y = y.reshape(b, c * q, h, p)
+    if D is not None:
+        y = y + x * (D.view(h, 1) if D.dim() == 1 else D)
+    if z is not None:
+        y = y * torch.nn.functional.silu(z)
+    return y[:, :L]
 
 
 def _gated_rmsnorm_reference(x, weight, bias, z=None, eps=1e-6, group_size=None,  # noqa: ANN001, ANN201
