@@ -92,7 +92,9 @@ class Context:
         from autocompress_nemo.models.llama.state_dict_adapter import hf_to_megatron
 
         self.init_distributed()
-        model = build_model(spec, sequence_parallel=bool(self.cfg.cluster.sequence_parallel), init_seed=int(self.cfg.seed))
+        model = build_model(
+            spec, sequence_parallel=bool(self.cfg.cluster.sequence_parallel), init_seed=int(self.cfg.seed)
+        )
         if not spec.is_dense_layered():  # MoE / Mamba hybrids: the family's HF names (models/hybrid)
             from autocompress_nemo.models.hybrid import hf_to_megatron as hybrid_hf_to_megatron
 
@@ -131,7 +133,9 @@ class Context:
     def data(self) -> Any:
         from autocompress_nemo.data import build_corpus
 
-        return build_corpus(self.cfg.data, self.tokenizer, cache_dir=Path(str(self.cfg.run_dir)).parent / ".token_cache")
+        return build_corpus(
+            self.cfg.data, self.tokenizer, cache_dir=Path(str(self.cfg.run_dir)).parent / ".token_cache"
+        )
 
     @functools.lru_cache(maxsize=16)  # noqa: B019 - one Context per run
     def _packed(self, split: str, seq_len: int) -> Any:

@@ -57,8 +57,11 @@ def rank(ctx: Context, out: Path) -> None:
     write_json_atomic(out / "scores.json", imp.to_dict())
     write_json_atomic(out / "permutations.json", perms.to_dict())
     save_weights(out, spec, apply_permutations(spec, sd, perms))
-    ctx.say(f"[rank] {imp.tokens} calibration tokens; block importance "
-            + " ".join(f"{s.attn_block:.2f}/{s.mlp_block:.2f}" for s in imp.layers[:6]) + " ...")
+    ctx.say(
+        f"[rank] {imp.tokens} calibration tokens; block importance "
+        + " ".join(f"{s.attn_block:.2f}/{s.mlp_block:.2f}" for s in imp.layers[:6])
+        + " ..."
+    )
 
 
 def sorted_parent(rank_dir: Path) -> tuple[ArchSpec, dict[str, torch.Tensor], Any, Any]:
@@ -67,25 +70,35 @@ def sorted_parent(rank_dir: Path) -> tuple[ArchSpec, dict[str, torch.Tensor], An
     from autocompress_nemo.rank.reorder import Permutations
 
     spec, sd = load_weights(rank_dir)
-    return spec, sd, Importance.from_dict(read_json(rank_dir / "scores.json")), Permutations.from_dict(
-        read_json(rank_dir / "permutations.json"))
+    return (
+        spec,
+        sd,
+        Importance.from_dict(read_json(rank_dir / "scores.json")),
+        Permutations.from_dict(read_json(rank_dir / "permutations.json")),
+    )
 
 
 # -- budgets ------------------------------------------------------------------------------------------
-def parent_reference(ctx: Context, validation_dir: Path | None, predicted: dict[str, Any]) -> tuple[dict[str, float], str]:
+def parent_reference(
+    ctx: Context, validation_dir: Path | None, predicted: dict[str, Any]
+) -> tuple[dict[str, float], str]:
     """The parent's costs that relative budgets refer to: measured in the engine when the
     validate stage measured it, else predicted (and said so)."""
     if validation_dir is not None and (validation_dir / "validation.json").is_file():
         v = read_json(validation_dir / "validation.json")
         for row in v.get("rows", []):
             if row.get("name") == "parent":
-                ref = {k[5:]: float(x) for k, x in row.items() if k.startswith("meas_") and not k.startswith("meas_mem_")}
+                ref = {
+                    k[5:]: float(x) for k, x in row.items() if k.startswith("meas_") and not k.startswith("meas_mem_")
+                }
                 ref["params"] = float(predicted["params"])
                 return ref, "measured"
     return {k: float(v) for k, v in predicted.items() if isinstance(v, (int, float))}, "predicted"
 
 
-def budgets(ctx: Context, predictor: Any, parent: ArchSpec, validation_dir: Path | None) -> tuple[dict[str, float], str]:
+def budgets(
+    ctx: Context, predictor: Any, parent: ArchSpec, validation_dir: Path | None
+) -> tuple[dict[str, float], str]:
     from autocompress_nemo.costs.predictor import resolve_budget
 
     ref, how = parent_reference(ctx, validation_dir, predictor.predict(parent))
@@ -106,8 +119,9 @@ class _Costs:
 
 
 # -- search + extract ----------------------------------------------------------------------------------
-def search(ctx: Context, out: Path, method: str, rank_dir: Path, table_path: Path, validation_dir: Path | None,
-           ckpt_dir: Path) -> None:
+def search(
+    ctx: Context, out: Path, method: str, rank_dir: Path, table_path: Path, validation_dir: Path | None, ckpt_dir: Path
+) -> None:
     """Choose the architecture (``arch.json``) with the router or the Minitron++ enumeration."""
     from autocompress_nemo.extract.repair import option_importance
     from autocompress_nemo.rank.reorder import sorted_importance
@@ -115,13 +129,32 @@ def search(ctx: Context, out: Path, method: str, rank_dir: Path, table_path: Pat
     if not ctx.parent[0].is_dense_layered():  # MoE / Mamba hybrids: their importance per option
         return stages_hybrid.search(ctx, out, method, rank_dir, table_path, validation_dir, ckpt_dir)
     spec, sd, imp, perms = sorted_parent(rank_dir)
-    search_core(ctx, out, method, spec, sd, lambda ds: option_importance(ds, sorted_importance(imp, perms)),
-                table_path, validation_dir, ckpt_dir, describe=lambda a: a.pattern)
+    search_core(
+        ctx,
+        out,
+        method,
+        spec,
+        sd,
+        lambda ds: option_importance(ds, sorted_importance(imp, perms)),
+        table_path,
+        validation_dir,
+        ckpt_dir,
+        describe=lambda a: a.pattern,
+    )
 
 
-def search_core(ctx: Context, out: Path, method: str, spec: ArchSpec, sd: dict[str, torch.Tensor],
-                option_importance: Any, table_path: Path, validation_dir: Path | None, ckpt_dir: Path,
-                describe: Any) -> None:
+def search_core(
+    ctx: Context,
+    out: Path,
+    method: str,
+    spec: ArchSpec,
+    sd: dict[str, torch.Tensor],
+    option_importance: Any,
+    table_path: Path,
+    validation_dir: Path | None,
+    ckpt_dir: Path,
+    describe: Any,
+) -> None:
     """The search of every model family: budgets, space, router or Minitron++, repair/grow, ``arch.json``.
 
     ``option_importance(decisions)`` gives the importance kept by every option (for repair/grow);
@@ -139,14 +172,18 @@ def search_core(ctx: Context, out: Path, method: str, spec: ArchSpec, sd: dict[s
     budget, how = budgets(ctx, predictor, spec, validation_dir)
     costs = _Costs(predictor, tuple(budget))
     decisions = build_space(spec, search_capabilities(cfg), int(s.ffn_options))
-    ctx.say(f"[search:{method}] {describe(spec)}: budgets {budget} (relative ones against the {how} parent); "
-            f"{len(decisions)} decisions ({', '.join(sorted({d.kind for d in decisions}))}), "
-            f"{sum(len(d.options) for d in decisions)} options")
+    ctx.say(
+        f"[search:{method}] {describe(spec)}: budgets {budget} (relative ones against the {how} parent); "
+        f"{len(decisions)} decisions ({', '.join(sorted({d.kind for d in decisions}))}), "
+        f"{sum(len(d.options) for d in decisions)} options"
+    )
     verdict = check_budget_reachable(spec, decisions, costs, budget)
     if verdict == "parent":
         ctx.say(f"[search:{method}] the parent already meets every budget: returning the parent")
-        outcome = SearchOutcome([d.parent_option for d in decisions],
-                                [[float(k == d.parent_option) for k in range(len(d.options))] for d in decisions])
+        outcome = SearchOutcome(
+            [d.parent_option for d in decisions],
+            [[float(k == d.parent_option) for k in range(len(d.options))] for d in decisions],
+        )
     else:
         model = ctx.model(spec, sd)
         seq, bs = int(s.seq_len), int(s.batch_size)
@@ -155,23 +192,67 @@ def search_core(ctx: Context, out: Path, method: str, spec: ArchSpec, sd: dict[s
             return ctx.batch_at("train", step, bs, seq, seed_offset=17)
 
         if method == "autocompress":
-            outcome = run_router_search(model, spec, decisions, costs, budget, batch_at, ctx.forward, s,
-                                        seed=int(cfg.seed), checkpoint=str(ckpt_dir / "router.pt"), log=ctx.say,
-                                        router_init=str(s.get("router_init", "uniform")))
+            outcome = run_router_search(
+                model,
+                spec,
+                decisions,
+                costs,
+                budget,
+                batch_at,
+                ctx.forward,
+                s,
+                seed=int(cfg.seed),
+                checkpoint=str(ckpt_dir / "router.pt"),
+                log=ctx.say,
+                router_init=str(s.get("router_init", "uniform")),
+            )
         else:
-            outcome = run_minitron_pp(model, spec, decisions, costs, budget, batch_at, ctx.forward, s, log=ctx.say,
-                                      fresh_model=lambda: ctx.model(spec, sd))
+            outcome = run_minitron_pp(
+                model,
+                spec,
+                decisions,
+                costs,
+                budget,
+                batch_at,
+                ctx.forward,
+                s,
+                log=ctx.say,
+                fresh_model=lambda: ctx.model(spec, sd),
+            )
     imps = option_importance(decisions)
     final, r_steps = repair(spec, decisions, outcome.choices, costs.predict, budget, imps, log=ctx.say)
     g_steps = 0
     if method == "autocompress" and verdict != "parent":
         final, g_steps = grow(spec, decisions, final, costs.predict, budget, imps, float(s.grow_threshold), log=ctx.say)
-    final, verified = verify_measured(ctx, out, spec, decisions, final, costs, budget, imps,
-                                      float(s.grow_threshold) if method == "autocompress" else None)
+    final, verified = verify_measured(
+        ctx,
+        out,
+        spec,
+        decisions,
+        final,
+        costs,
+        budget,
+        imps,
+        float(s.grow_threshold) if method == "autocompress" else None,
+    )
     child = apply_choices(spec, decisions, final).replace(name=f"{spec.name}-{method}")
     pred = predictor.predict(child)
-    rec = arch_record(method, spec, child, decisions, outcome.probs, outcome.choices, final, pred,
-                      predictor.predict(spec), budget, outcome.tokens, r_steps, g_steps, predictor.table.label)
+    rec = arch_record(
+        method,
+        spec,
+        child,
+        decisions,
+        outcome.probs,
+        outcome.choices,
+        final,
+        pred,
+        predictor.predict(spec),
+        budget,
+        outcome.tokens,
+        r_steps,
+        g_steps,
+        predictor.table.label,
+    )
     rec.update(budget_reference=how, params=param_count(child), search_wall_s=round(outcome.wall_s, 2))
     if verified:
         rec["verified_in_engine"] = verified
@@ -180,8 +261,10 @@ def search_core(ctx: Context, out: Path, method: str, spec: ArchSpec, sd: dict[s
     write_json_atomic(out / "arch.json", rec)
     write_json_atomic(out / "trajectory.json", outcome.trajectory)
     _plot_trajectory(outcome.trajectory, out / "trajectory.png", method)
-    ctx.say(f"[search:{method}] chose {describe(child)} params {param_count(child):,} predicted "
-            + ", ".join(f"{m}={pred[m]:.4g}/{b:.4g}" for m, b in budget.items()))
+    ctx.say(
+        f"[search:{method}] chose {describe(child)} params {param_count(child):,} predicted "
+        + ", ".join(f"{m}={pred[m]:.4g}/{b:.4g}" for m, b in budget.items())
+    )
 
 
 def _plot_trajectory(traj: list[dict], path: Path, method: str) -> None:
@@ -199,7 +282,7 @@ def _plot_trajectory(traj: list[dict], path: Path, method: str) -> None:
         plt.close(fig)
         return
     steps = [r["step"] for r in traj]
-    metrics = [k[len("expected_"):] for k in traj[0] if k.startswith("expected_")]
+    metrics = [k[len("expected_") :] for k in traj[0] if k.startswith("expected_")]
     fig, axes = plt.subplots(1, 2 + len(metrics), figsize=(4 * (2 + len(metrics)), 3))
     axes[0].plot(steps, [r["kd"] for r in traj])
     axes[0].set_title("KD loss")
@@ -230,8 +313,10 @@ def extract(ctx: Context, out: Path, rank_dir: Path, search_dir: Path) -> None:
     write_json_atomic(out / "arch.json", rec)
     ctx.export_hf(child, child_sd, out / "hf")
     shape = child.pattern if child.is_dense_layered() else stages_hybrid.describe(child)
-    ctx.say(f"[extract] {shape}: {param_count(child):,} parameters "
-            f"({param_count(child) / param_count(spec):.1%} of the parent)")
+    ctx.say(
+        f"[extract] {shape}: {param_count(child):,} parameters "
+        f"({param_count(child) / param_count(spec):.1%} of the parent)"
+    )
 
 
 # -- distill -------------------------------------------------------------------------------------------
@@ -247,14 +332,23 @@ def distill(ctx: Context, out: Path, rank_dir: Path, extract_dir: Path, ckpt_dir
         p.requires_grad_(False)
     student = ctx.model(cspec, csd)
     seq, bs = int(d.seq_len), int(d.batch_size)
-    result = run_distill(student, teacher, ctx.forward, lambda step: ctx.batch_at("train", step, bs, seq, seed_offset=29),
-                         d, ckpt_dir, int(ctx.cfg.seed))
+    result = run_distill(
+        student,
+        teacher,
+        ctx.forward,
+        lambda step: ctx.batch_at("train", step, bs, seq, seed_offset=29),
+        d,
+        ckpt_dir,
+        int(ctx.cfg.seed),
+    )
     save_weights(out, cspec, ctx.to_hf(cspec, student))
     write_json_atomic(out / "distill.json", result)
 
 
 # -- evaluate ----------------------------------------------------------------------------------------------
-def heldout_perplexity(ctx: Context, spec: ArchSpec, sd: dict[str, torch.Tensor], lm_eval: bool = True) -> dict[str, Any]:
+def heldout_perplexity(
+    ctx: Context, spec: ArchSpec, sd: dict[str, torch.Tensor], lm_eval: bool = True
+) -> dict[str, Any]:
     from autocompress_nemo.distill.kd import kd_loss, lm_loss
 
     ev = ctx.cfg.evaluate
@@ -270,8 +364,12 @@ def heldout_perplexity(ctx: Context, spec: ArchSpec, sd: dict[str, torch.Tensor]
             if teacher is not None:
                 kd.append(float(kd_loss(logits, ctx.forward(teacher, x))))
     mean = sum(nll) / len(nll)
-    out = {"heldout_nll": mean, "heldout_ppl": float(torch.tensor(mean).exp()),
-           "heldout_tokens": sum(x.numel() for x in batches), "kd_to_parent": (sum(kd) / len(kd)) if kd else 0.0}
+    out = {
+        "heldout_nll": mean,
+        "heldout_ppl": float(torch.tensor(mean).exp()),
+        "heldout_tokens": sum(x.numel() for x in batches),
+        "kd_to_parent": (sum(kd) / len(kd)) if kd else 0.0,
+    }
     if lm_eval:
         out["lm_eval"] = lm_eval_scores(ctx, model)
     return out
@@ -295,8 +393,15 @@ def lm_eval_scores(ctx: Context, model: torch.nn.Module) -> dict[str, Any]:
         include = str(task_dir) if include is None else include
         if include != str(task_dir):
             raise ValueError("evaluate.lm_eval_include and the generated stdlib_next_line task need one directory")
-    res = run_lm_eval(model, ctx.forward, ctx.tokenizer, tasks, include_path=include,
-                      limit=int(ev.lm_eval_limit) or None, seed=int(ctx.cfg.seed))
+    res = run_lm_eval(
+        model,
+        ctx.forward,
+        ctx.tokenizer,
+        tasks,
+        include_path=include,
+        limit=int(ev.lm_eval_limit) or None,
+        seed=int(ctx.cfg.seed),
+    )
     return res.get("results", {})
 
 
@@ -304,8 +409,15 @@ def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=1, sort_keys=True, default=str))
 
 
-def evaluate(ctx: Context, out: Path, rank_dir: Path, table_path: Path, validation_dir: Path | None,
-             students: dict[str, Path], extracted: dict[str, Path] | None = None) -> None:
+def evaluate(
+    ctx: Context,
+    out: Path,
+    rank_dir: Path,
+    table_path: Path,
+    validation_dir: Path | None,
+    students: dict[str, Path],
+    extracted: dict[str, Path] | None = None,
+) -> None:
     """Accuracy on held-out text and costs measured in the target's engine, against the budgets,
     next to the predictions — for the parent and every student, measured in one interleaved session."""
     from autocompress_nemo.costs.engines import get_engine
@@ -324,8 +436,13 @@ def evaluate(ctx: Context, out: Path, rank_dir: Path, table_path: Path, validati
     for name, (spec, sd) in models.items():
         ctx.say(f"[evaluate] {name}: held-out perplexity")
         acc = heldout_perplexity(ctx, spec, sd)
-        results["models"][name] = {"spec": spec.to_dict(), "pattern": spec.pattern, "params": param_count(spec),
-                                   "accuracy": acc, "predicted": _numbers(predictor.predict(spec))}
+        results["models"][name] = {
+            "spec": spec.to_dict(),
+            "pattern": spec.pattern,
+            "params": param_count(spec),
+            "accuracy": acc,
+            "predicted": _numbers(predictor.predict(spec)),
+        }
     # the architectures alone: extracted students before any recovery (held-out loss only)
     results["before_recovery"] = {}
     for name, d in (extracted or {}).items():
@@ -344,7 +461,9 @@ def evaluate(ctx: Context, out: Path, rank_dir: Path, table_path: Path, validati
     if engine.estimated:
         ctx.say("[evaluate] the target's engine is an analytic estimate: costs are estimated, not measured")
     measured = engine.measure_many(specs, wl, log=lambda m: ctx.say(f"[evaluate] {m}"))
-    label = f"{engine.name} {engine.version()} on {engine.device()}" + (" (estimated, not measured)" if engine.estimated else "")
+    label = f"{engine.name} {engine.version()} on {engine.device()}" + (
+        " (estimated, not measured)" if engine.estimated else ""
+    )
     for n, m in zip(models, measured, strict=True):
         meas = measured_metrics(m, wl, models[n][0])
         r = results["models"][n]
@@ -352,8 +471,10 @@ def evaluate(ctx: Context, out: Path, rank_dir: Path, table_path: Path, validati
         r["measured_memory"] = m.memory
         r["measured_by"] = label
         r["spread"] = m.spread
-        r["budget_check"] = {k: {"budget": b, "measured": meas[k], "predicted": r["predicted"].get(k),
-                                 "pass": bool(meas[k] <= b)} for k, b in budget.items()}
+        r["budget_check"] = {
+            k: {"budget": b, "measured": meas[k], "predicted": r["predicted"].get(k), "pass": bool(meas[k] <= b)}
+            for k, b in budget.items()
+        }
     import shutil
 
     shutil.rmtree(out / "engine_work", ignore_errors=True)
@@ -361,23 +482,41 @@ def evaluate(ctx: Context, out: Path, rank_dir: Path, table_path: Path, validati
     for n, r in results["before_recovery"].items():
         ctx.say(f"[evaluate] {n} before recovery: ppl {r['heldout_ppl']:.3f} KD to parent {r['kd_to_parent']:.4f}")
     for n, r in results["models"].items():
-        ctx.say(f"[evaluate] {n}: ppl {r['accuracy']['heldout_ppl']:.3f} params {r['params']:,} "
-                + " ".join(f"{k} {c['measured']:.4g}/{c['budget']:.4g} {'PASS' if c['pass'] else 'FAIL'}"
-                           for k, c in r["budget_check"].items()))
+        ctx.say(
+            f"[evaluate] {n}: ppl {r['accuracy']['heldout_ppl']:.3f} params {r['params']:,} "
+            + " ".join(
+                f"{k} {c['measured']:.4g}/{c['budget']:.4g} {'PASS' if c['pass'] else 'FAIL'}"
+                for k, c in r["budget_check"].items()
+            )
+        )
 
 
 def measured_metrics(m: Any, wl: Any, spec: ArchSpec) -> dict[str, float]:
     """One engine ``Measurement`` in the budget metrics' names and units: response latency
     ``prefill + output_len * decode``, throughput ``1000 * batch / decode`` tok/s."""
-    return {"prefill_ms": m.prefill_ms, "ttft_ms": m.prefill_ms, "decode_ms": m.decode_ms, "tpot_ms": m.decode_ms,
-            "response_latency_ms": m.prefill_ms + wl.output_len * m.decode_ms,
-            "throughput_tps": 1000.0 * wl.batch / m.decode_ms if m.decode_ms else float("inf"),
-            "memory_bytes": m.memory_bytes, "params": float(param_count(spec))}
+    return {
+        "prefill_ms": m.prefill_ms,
+        "ttft_ms": m.prefill_ms,
+        "decode_ms": m.decode_ms,
+        "tpot_ms": m.decode_ms,
+        "response_latency_ms": m.prefill_ms + wl.output_len * m.decode_ms,
+        "throughput_tps": 1000.0 * wl.batch / m.decode_ms if m.decode_ms else float("inf"),
+        "memory_bytes": m.memory_bytes,
+        "params": float(param_count(spec)),
+    }
 
 
-def verify_measured(ctx: Context, out: Path, parent: ArchSpec, decisions: list, choices: list[int], costs: Any,
-                    budget: dict[str, float], imps: list[list[float]],
-                    grow_threshold: float | None = None) -> tuple[list[int], list[dict[str, Any]]]:
+def verify_measured(
+    ctx: Context,
+    out: Path,
+    parent: ArchSpec,
+    decisions: list,
+    choices: list[int],
+    costs: Any,
+    budget: dict[str, float],
+    imps: list[list[float]],
+    grow_threshold: float | None = None,
+) -> tuple[list[int], list[dict[str, Any]]]:
     """Close the loop on the real engine before any weights are sliced: measure the chosen
     architecture in the target's engine; while it misses a budget ``b_m`` (measured ``c_m > b_m``),
     tighten that metric's *predicted* target to ``min(t_m, 0.99 * b_m * p_m / c_m)`` (``p_m`` the
@@ -405,16 +544,28 @@ def verify_measured(ctx: Context, out: Path, parent: ArchSpec, decisions: list, 
                 torch.distributed.broadcast_object_list(meas, src=0)
             c, p = meas[0], costs.predict(child)
             over = {m: c[m] for m, b in budget.items() if c[m] > b}
-            history.append({"round": r, "measured": {m: c[m] for m in budget}, "predicted": {m: p[m] for m in budget},
-                            "predicted_target": dict(target), "budget": dict(budget), "pass": not over})
-            ctx.say(f"[search:verify] round {r}: measured in {engine.name} "
-                    + ", ".join(f"{m} {c[m]:.4g} (predicted {p[m]:.4g}) / budget {b:.4g}" for m, b in budget.items())
-                    + (" PASS" if not over else " -> over budget"))
+            history.append(
+                {
+                    "round": r,
+                    "measured": {m: c[m] for m in budget},
+                    "predicted": {m: p[m] for m in budget},
+                    "predicted_target": dict(target),
+                    "budget": dict(budget),
+                    "pass": not over,
+                }
+            )
+            ctx.say(
+                f"[search:verify] round {r}: measured in {engine.name} "
+                + ", ".join(f"{m} {c[m]:.4g} (predicted {p[m]:.4g}) / budget {b:.4g}" for m, b in budget.items())
+                + (" PASS" if not over else " -> over budget")
+            )
             if not over:
                 break
             if r == rounds:
-                ctx.say(f"[search:verify] still over budget after {rounds} repair rounds on measurements: "
-                        "the evaluate stage will report it (raise search.verify_rounds or loosen the budget)")
+                ctx.say(
+                    f"[search:verify] still over budget after {rounds} repair rounds on measurements: "
+                    "the evaluate stage will report it (raise search.verify_rounds or loosen the budget)"
+                )
                 break
             for m in over:
                 target[m] = min(target[m], 0.99 * budget[m] * p[m] / c[m])
@@ -445,8 +596,13 @@ def export(ctx: Context, out: Path, student_dir: Path) -> None:
         return stages_hybrid.export(ctx, out, student_dir)
     export_hf(spec, sd, out / "hf", tokenizer=None)
     if str(ctx.cfg.target.engine.name) == "llama_cpp":
-        path = write_gguf(spec, out / f"{spec.name or 'student'}.gguf", {k: v.float().numpy().astype(np.float32) for k, v in sd.items()},
-                          tokenizer_from=ctx.parent_gguf(), dtype=str(ctx.cfg.target.engine.dtype))
+        path = write_gguf(
+            spec,
+            out / f"{spec.name or 'student'}.gguf",
+            {k: v.float().numpy().astype(np.float32) for k, v in sd.items()},
+            tokenizer_from=ctx.parent_gguf(),
+            dtype=str(ctx.cfg.target.engine.dtype),
+        )
         ctx.say(f"[export] GGUF ({'llama' if spec.is_uniform() else 'deci'}) -> {path}")
     model = ctx.model(spec, sd)
     torch.save({"arch_spec": spec.to_dict(), "megatron_state_dict": model.state_dict()}, out / "megatron_model.pt")
@@ -470,15 +626,25 @@ def collect_results(ctx: Context, run: Any, methods: list[str], validation_dir: 
     table = d / "profile" / "cost_table" / "cost_table.json"
     prov = read_json(table).get("provenance", {}) if table.is_file() else {}
     eng = ctx.cfg.target.engine
-    engine = {"name": str(eng.name), "dtype": str(prov.get("dtype") or eng.get("dtype", "")),
-              # the version the cost table measured (the config's `version` is usually left empty)
-              "version": str(prov.get("engine_version") or eng.get("version") or "")}
+    engine = {
+        "name": str(eng.name),
+        "dtype": str(prov.get("dtype") or eng.get("dtype", "")),
+        # the version the cost table measured (the config's `version` is usually left empty)
+        "version": str(prov.get("engine_version") or eng.get("version") or ""),
+    }
     res: dict[str, Any] = {
-        "target": {"name": str(ctx.cfg.target.name), "description": str(ctx.cfg.target.get("description", "")),
-                   "engine": engine, "hardware": str(ctx.cfg.target.hardware.name),
-                   "workload": dict(ctx.cfg.target.workload)},
-        "budgets": ev.get("budgets", {}), "budget_reference": ev.get("budget_reference", ""),
-        "models": ev.get("models", {}), "methods": {}, "stages_wall_s": {},
+        "target": {
+            "name": str(ctx.cfg.target.name),
+            "description": str(ctx.cfg.target.get("description", "")),
+            "engine": engine,
+            "hardware": str(ctx.cfg.target.hardware.name),
+            "workload": dict(ctx.cfg.target.workload),
+        },
+        "budgets": ev.get("budgets", {}),
+        "budget_reference": ev.get("budget_reference", ""),
+        "models": ev.get("models", {}),
+        "methods": {},
+        "stages_wall_s": {},
         "before_recovery": ev.get("before_recovery", {}),
     }
     for m in methods:
@@ -486,10 +652,13 @@ def collect_results(ctx: Context, run: Any, methods: list[str], validation_dir: 
         if arch.is_file():
             rec = read_json(arch)
             dist = d / f"distill_{m}" / "distill.json"
-            res["methods"][m] = {"label": METHODS.get(m, m), "arch": rec,
-                                 "trajectory": read_json(d / f"search_{m}" / "trajectory.json"),
-                                 "selection_tokens": rec.get("selection_tokens", 0),
-                                 "recovery_tokens": read_json(dist).get("tokens", 0) if dist.is_file() else 0}
+            res["methods"][m] = {
+                "label": METHODS.get(m, m),
+                "arch": rec,
+                "trajectory": read_json(d / f"search_{m}" / "trajectory.json"),
+                "selection_tokens": rec.get("selection_tokens", 0),
+                "recovery_tokens": read_json(dist).get("tokens", 0) if dist.is_file() else 0,
+            }
     if validation_dir is not None and (validation_dir / "validation.json").is_file():
         res["validation"] = read_json(validation_dir / "validation.json")["summary"]
     for p in sorted(d.iterdir()):

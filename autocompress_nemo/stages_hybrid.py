@@ -56,9 +56,11 @@ def rank(ctx: Context, out: Path) -> None:
     write_json_atomic(out / "sorted_scores.json", sorted_scores(imp, perms).to_dict())
     write_json_atomic(out / "permutations.json", perms.to_dict())
     save_weights(out, spec, apply_moe_mamba_permutations(spec, sd, perms))
-    ctx.say(f"[rank] hybrid {spec.pattern}: {imp.tokens} calibration tokens; scored and reordered routed experts, "
-            "expert / shared-expert / MLP neurons, Mamba heads, attention heads / KV groups"
-            + (", hidden channels" if perms.hidden is not None else " (hidden channels scored, kept in order)"))
+    ctx.say(
+        f"[rank] hybrid {spec.pattern}: {imp.tokens} calibration tokens; scored and reordered routed experts, "
+        "expert / shared-expert / MLP neurons, Mamba heads, attention heads / KV groups"
+        + (", hidden channels" if perms.hidden is not None else " (hidden channels scored, kept in order)")
+    )
 
 
 def option_importance(decisions: list[Any], sorted_imp: Any, parent: ArchSpec) -> list[list[float]]:
@@ -74,9 +76,11 @@ def option_importance(decisions: list[Any], sorted_imp: Any, parent: ArchSpec) -
         def need(name: str, d: Any = d, s: Any = s) -> torch.Tensor:
             v = getattr(s, name)
             if v is None:
-                raise ValueError(f"block {d.block_index} ({d.kind} decision): the rank artifact has no {name!r} "
-                                 "scores; it was written by an older build: delete the rank stage's directory and "
-                                 "run again")
+                raise ValueError(
+                    f"block {d.block_index} ({d.kind} decision): the rank artifact has no {name!r} "
+                    "scores; it was written by an older build: delete the rank stage's directory and "
+                    "run again"
+                )
             return v
 
         row = []
@@ -101,8 +105,9 @@ def option_importance(decisions: list[Any], sorted_imp: Any, parent: ArchSpec) -
 
 
 # -- search -------------------------------------------------------------------------------------------
-def search(ctx: Context, out: Path, method: str, rank_dir: Path, table_path: Path, validation_dir: Path | None,
-           ckpt_dir: Path) -> None:
+def search(
+    ctx: Context, out: Path, method: str, rank_dir: Path, table_path: Path, validation_dir: Path | None, ckpt_dir: Path
+) -> None:
     """``stages.search`` for hybrids: the shared search core with the hybrid importance per option."""
     from autocompress_nemo import stages
 
@@ -110,8 +115,18 @@ def search(ctx: Context, out: Path, method: str, rank_dir: Path, table_path: Pat
     from autocompress_nemo.rank.moe_mamba import MoeMambaImportance
 
     imp = MoeMambaImportance.from_dict(read_json(rank_dir / "sorted_scores.json"))
-    stages.search_core(ctx, out, method, spec, sd, lambda ds: option_importance(ds, imp, spec), table_path,
-                       validation_dir, ckpt_dir, describe=describe)
+    stages.search_core(
+        ctx,
+        out,
+        method,
+        spec,
+        sd,
+        lambda ds: option_importance(ds, imp, spec),
+        table_path,
+        validation_dir,
+        ckpt_dir,
+        describe=describe,
+    )
 
 
 def describe(spec: ArchSpec) -> str:
@@ -137,16 +152,19 @@ def export(ctx: Context, out: Path, student_dir: Path) -> None:
 
     spec, sd = load_weights(student_dir)
     export_hf(spec, sd, out / "hf", tokenizer=None)
-    ctx.say(f"[export] Nemotron-H Hugging Face directory ({'uniform' if spec.is_uniform() else 'Puzzle per-block'}) "
-            f"-> {out / 'hf'}. No GGUF: llama.cpp's deci architecture is Llama-only and its nemotron_h_moe takes one "
-            "global expert count and width, so a hybrid with per-block experts cannot be written for it")
+    ctx.say(
+        f"[export] Nemotron-H Hugging Face directory ({'uniform' if spec.is_uniform() else 'Puzzle per-block'}) "
+        f"-> {out / 'hf'}. No GGUF: llama.cpp's deci architecture is Llama-only and its nemotron_h_moe takes one "
+        "global expert count and width, so a hybrid with per-block experts cannot be written for it"
+    )
     model = ctx.model(spec, sd)
     torch.save({"arch_spec": spec.to_dict(), "megatron_state_dict": model.state_dict()}, out / "megatron_model.pt")
 
 
 # -- validation candidates ---------------------------------------------------------------------------
-def validation_candidates(parent: ArchSpec, caps: Any, n_random: int = 6, seed: int = 0,
-                          ffn_points: int = 8) -> list[ArchSpec]:
+def validation_candidates(
+    parent: ArchSpec, caps: Any, n_random: int = 6, seed: int = 0, ffn_points: int = 8
+) -> list[ArchSpec]:
     """The parent, the smallest servable child, a uniform middle and random children of the hybrid
     search space (per-block options drawn independently), for predicted-vs-measured validation."""
     import random
@@ -155,10 +173,15 @@ def validation_candidates(parent: ArchSpec, caps: Any, n_random: int = 6, seed: 
 
     rng = random.Random(seed)
     decisions = build_space(parent, caps, ffn_points)
-    out = [parent.replace(name="parent"),
-           apply_choices(parent, decisions, [min(1, len(d.options) - 1) for d in decisions]).replace(name="smallest"),
-           apply_choices(parent, decisions, [len(d.options) // 2 for d in decisions]).replace(name="middle")]
+    out = [
+        parent.replace(name="parent"),
+        apply_choices(parent, decisions, [min(1, len(d.options) - 1) for d in decisions]).replace(name="smallest"),
+        apply_choices(parent, decisions, [len(d.options) // 2 for d in decisions]).replace(name="middle"),
+    ]
     for i in range(n_random):
-        out.append(apply_choices(parent, decisions, [rng.randrange(len(d.options)) for d in decisions])
-                   .replace(name=f"random{i}"))
+        out.append(
+            apply_choices(parent, decisions, [rng.randrange(len(d.options)) for d in decisions]).replace(
+                name=f"random{i}"
+            )
+        )
     return out

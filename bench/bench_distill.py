@@ -54,10 +54,14 @@ def _specs(model: str) -> tuple[Any, Any]:
     a, m = parent.layers()[0]
     blocks = []
     for i in range(parent.num_layers):  # ~half the widths, alternating, one attention removed mid-stack
-        heads = a.num_heads if i % 2 == 0 else max(a.num_kv_groups, a.num_heads // 3 // a.num_kv_groups
-                                                   * a.num_kv_groups)
-        att = AttentionBlock(0, 0, a.head_dim) if i == parent.num_layers // 2 else AttentionBlock(
-            heads, a.num_kv_groups, a.head_dim)
+        heads = (
+            a.num_heads if i % 2 == 0 else max(a.num_kv_groups, a.num_heads // 3 // a.num_kv_groups * a.num_kv_groups)
+        )
+        att = (
+            AttentionBlock(0, 0, a.head_dim)
+            if i == parent.num_layers // 2
+            else AttentionBlock(heads, a.num_kv_groups, a.head_dim)
+        )
         blocks += [att, MlpBlock(m.ffn // 2 if i % 2 == 0 else m.ffn // 4)]
     return parent, parent.replace(blocks=tuple(blocks), name=f"{parent.name or model}_student")
 
@@ -100,20 +104,46 @@ def _phase(a: argparse.Namespace) -> dict[str, Any]:
         out.update(params=param_count(parent_spec), arch=parent_spec.name)
     else:
         student = build_model(student_spec, init_seed=1)
-        cfg = DistillConfig(tokens=total * a.batch * a.seq, batch_size=a.batch, seq_len=a.seq, lr=1e-4,
-                            min_lr=1e-5, warmup_steps=1, checkpoint_every=0, log_every=1000)
+        cfg = DistillConfig(
+            tokens=total * a.batch * a.seq,
+            batch_size=a.batch,
+            seq_len=a.seq,
+            lr=1e-4,
+            min_lr=1e-5,
+            warmup_steps=1,
+            checkpoint_every=0,
+            log_every=1000,
+        )
         with tempfile.TemporaryDirectory(prefix="bench-distill-") as d:
-            res = distill(student, parent, forward_logits, batches.__getitem__, cfg, d, seed=0, optimizer="auto",
-                          log=lambda s: None)
+            res = distill(
+                student,
+                parent,
+                forward_logits,
+                batches.__getitem__,
+                cfg,
+                d,
+                seed=0,
+                optimizer="auto",
+                log=lambda s: None,
+            )
         times = [r["step_s"] for r in res["history"]]
-        out.update(params=param_count(student_spec), arch=student_spec.name, teacher_params=param_count(parent_spec),
-                   optimizer=res["optimizer"])
-    timed = times[a.warmup:]
+        out.update(
+            params=param_count(student_spec),
+            arch=student_spec.name,
+            teacher_params=param_count(parent_spec),
+            optimizer=res["optimizer"],
+        )
+    timed = times[a.warmup :]
     step_s = min(timed)
-    out.update(step_s_min=step_s, step_s_median=statistics.median(timed), step_s_all=times,
-               tokens_per_s=a.batch * a.seq / step_s, tokens_per_s_median=a.batch * a.seq / statistics.median(timed),
-               peak_memory_bytes=_peak_bytes(),
-               peak_memory_kind="torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "max RSS")
+    out.update(
+        step_s_min=step_s,
+        step_s_median=statistics.median(timed),
+        step_s_all=times,
+        tokens_per_s=a.batch * a.seq / step_s,
+        tokens_per_s_median=a.batch * a.seq / statistics.median(timed),
+        peak_memory_bytes=_peak_bytes(),
+        peak_memory_kind="torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "max RSS",
+    )
     teardown()
     return out
 
@@ -135,9 +165,24 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {"parent_train": [], "student_distill": []}
     for _ in range(a.rounds):  # alternate the phases so bursts of load on a shared machine hit both
         for phase in runs:
-            cmd = [sys.executable, os.path.abspath(__file__), "--phase", phase, "--model", a.model, "--steps",
-                   str(a.steps), "--warmup", str(a.warmup), "--batch", str(a.batch), "--seq", str(a.seq),
-                   "--threads", str(a.threads)]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--phase",
+                phase,
+                "--model",
+                a.model,
+                "--steps",
+                str(a.steps),
+                "--warmup",
+                str(a.warmup),
+                "--batch",
+                str(a.batch),
+                "--seq",
+                str(a.seq),
+                "--threads",
+                str(a.threads),
+            ]
             p = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if p.returncode:
                 raise SystemExit(f"bench phase {phase} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
@@ -150,18 +195,27 @@ def main() -> None:
         best["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in rs)
         phases[phase] = best
     tr, di = phases["parent_train"], phases["student_distill"]
-    print(json.dumps({
-        "bench": "distill",
-        "model": a.model,
-        "builder": "autocompress_nemo.models.builder.build_model (Megatron GPTModel, random weights)",
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU {platform.machine()}",
-        "threads": a.threads, "batch": a.batch, "seq": a.seq, "timed_steps": a.steps, "warmup_steps": a.warmup,
-        "rounds": a.rounds,
-        "parent_train": tr,
-        "student_distill": di,
-        "distill_over_train_tokens_per_s": di["tokens_per_s"] / tr["tokens_per_s"],
-        "distill_over_train_peak_memory": di["peak_memory_bytes"] / tr["peak_memory_bytes"],
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "bench": "distill",
+                "model": a.model,
+                "builder": "autocompress_nemo.models.builder.build_model (Megatron GPTModel, random weights)",
+                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU {platform.machine()}",
+                "threads": a.threads,
+                "batch": a.batch,
+                "seq": a.seq,
+                "timed_steps": a.steps,
+                "warmup_steps": a.warmup,
+                "rounds": a.rounds,
+                "parent_train": tr,
+                "student_distill": di,
+                "distill_over_train_tokens_per_s": di["tokens_per_s"] / tr["tokens_per_s"],
+                "distill_over_train_peak_memory": di["peak_memory_bytes"] / tr["peak_memory_bytes"],
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,12 @@ def loadavg() -> list[float]:
 
 def _errs(e: dict[str, dict[str, float]]) -> dict[str, float]:
     out: dict[str, float] = {}
-    for m, short in (("decode_ms", "decode"), ("prefill_ms", "prefill"), ("response_latency_ms", "response"),
-                     ("memory_bytes", "memory")):
+    for m, short in (
+        ("decode_ms", "decode"),
+        ("prefill_ms", "prefill"),
+        ("response_latency_ms", "response"),
+        ("memory_bytes", "memory"),
+    ):
         out[f"{short}_mean_pct"] = round(e[m]["mape"], 3 if short == "memory" else 2)
         out[f"{short}_max_pct"] = round(e[m]["max_ape"], 3 if short == "memory" else 2)
     return out
@@ -51,7 +55,8 @@ def _one(cfg, out: Path, summary: dict, t_table: float, table_path: Path) -> dic
         "profile_models": prov["profile_models"],
         "profile_engine_runs": prov["engine_runs"],
         "fit_residuals": {p: {k: round(v, 2) for k, v in prov["fit"][p].items()} for p in ("decode_ms", "prefill_ms")}
-        if "fit" in prov else None,
+        if "fit" in prov
+        else None,
         "intercept": {k: round(v, 3) for k, v in t["intercept"].items()},
         "validation_models": summary["models"],
         "validation_reference": summary.get("reference"),
@@ -59,7 +64,8 @@ def _one(cfg, out: Path, summary: dict, t_table: float, table_path: Path) -> dic
         "validation_wall_s": summary["wall_s"],
         "errors": _errs(summary["errors"]),
         "drift_scale": {k: round(v, 4) for k, v in summary.get("drift_scale", {}).items()},
-        "errors_drift_corrected": _errs(summary["errors_drift_corrected"]) if "errors_drift_corrected" in summary
+        "errors_drift_corrected": _errs(summary["errors_drift_corrected"])
+        if "errors_drift_corrected" in summary
         else None,
         "out_dir": str(out),
     }

@@ -97,22 +97,36 @@ def main() -> None:
     def tokens(c) -> dict:
         s = c.search
         ac = int(s.steps) * int(s.batch_size) * int(s.seq_len)
-        mt = int(s.minitron_candidates) * (int(s.minitron_retrain_steps) + int(s.minitron_score_batches)) * int(
-            s.batch_size) * int(s.seq_len)
+        mt = (
+            int(s.minitron_candidates)
+            * (int(s.minitron_retrain_steps) + int(s.minitron_score_batches))
+            * int(s.batch_size)
+            * int(s.seq_len)
+        )
         return {"autocompress": ac, "minitron_pp": mt}
 
     ac_cfg = tokens(compose([f"model={a.model}", f"+target={a.target}", "search=default"]))["autocompress"]
     mt_cfg = tokens(compose([f"model={a.model}", f"+target={a.target}", "search=minitron_pp"]))["minitron_pp"]
     out = {
         "bench": "search_step_vs_distill_step",
-        "model": a.model, "params": sum(p.numel() for p in student.parameters()),
-        "batch": a.batch, "seq_len": a.seq, "threads": a.threads, "device": "cpu",
-        "decisions": len(decisions), "options": sum(len(d.options) for d in decisions),
-        "search_step_s_min": min(ts), "distill_step_s_min": min(td),
-        "ratio_search_over_distill": min(ts) / min(td), "goal_ratio_at_most": 1.3,
-        "selection_tokens": {"autocompress": ac_cfg, "minitron_pp": mt_cfg,
-                             "minitron_over_autocompress": mt_cfg / ac_cfg if ac_cfg else None,
-                             "source": "configured budgets of search=default and search=minitron_pp"},
+        "model": a.model,
+        "params": sum(p.numel() for p in student.parameters()),
+        "batch": a.batch,
+        "seq_len": a.seq,
+        "threads": a.threads,
+        "device": "cpu",
+        "decisions": len(decisions),
+        "options": sum(len(d.options) for d in decisions),
+        "search_step_s_min": min(ts),
+        "distill_step_s_min": min(td),
+        "ratio_search_over_distill": min(ts) / min(td),
+        "goal_ratio_at_most": 1.3,
+        "selection_tokens": {
+            "autocompress": ac_cfg,
+            "minitron_pp": mt_cfg,
+            "minitron_over_autocompress": mt_cfg / ac_cfg if ac_cfg else None,
+            "source": "configured budgets of search=default and search=minitron_pp",
+        },
     }
     print(json.dumps(out, indent=1))
 

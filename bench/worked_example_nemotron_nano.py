@@ -81,11 +81,13 @@ def unit_blocks(moe: MoeBlock) -> dict[str, MoeBlock]:
     from autocompress_nemo.costs.table import moe_parts
 
     routed, shared = moe_parts(moe)
-    return {"expert": dataclasses.replace(routed, num_experts=moe.num_experts - 1),
-            "expert_neuron": dataclasses.replace(routed, expert_ffn=moe.expert_ffn - 1),
-            "top_k": dataclasses.replace(routed, top_k=moe.top_k - 1),
-            "shared_neuron": dataclasses.replace(shared, shared_ffn=moe.shared_ffn - 1),
-            "no_shared": dataclasses.replace(shared, shared_ffn=0)}
+    return {
+        "expert": dataclasses.replace(routed, num_experts=moe.num_experts - 1),
+        "expert_neuron": dataclasses.replace(routed, expert_ffn=moe.expert_ffn - 1),
+        "top_k": dataclasses.replace(routed, top_k=moe.top_k - 1),
+        "shared_neuron": dataclasses.replace(shared, shared_ffn=moe.shared_ffn - 1),
+        "no_shared": dataclasses.replace(shared, shared_ffn=0),
+    }
 
 
 def unit_costs(bc: Any, parent_moe: MoeBlock, h: int) -> dict[str, Any]:
@@ -95,11 +97,13 @@ def unit_costs(bc: Any, parent_moe: MoeBlock, h: int) -> dict[str, Any]:
     routed, shared = moe_parts(parent_moe)
 
     def diff(a: Block, b: Block) -> dict[str, float]:
-        return {"ms_response": bc(a, "response_latency_ms") - bc(b, "response_latency_ms"),
-                "ms_per_decode_step": bc(a, "decode_ms") - bc(b, "decode_ms"),
-                "ms_prefill": bc(a, "prefill_ms") - bc(b, "prefill_ms"),
-                "bytes": bc(a, "memory_bytes") - bc(b, "memory_bytes"),
-                "params": block_params(a, h) - block_params(b, h)}
+        return {
+            "ms_response": bc(a, "response_latency_ms") - bc(b, "response_latency_ms"),
+            "ms_per_decode_step": bc(a, "decode_ms") - bc(b, "decode_ms"),
+            "ms_prefill": bc(a, "prefill_ms") - bc(b, "prefill_ms"),
+            "bytes": bc(a, "memory_bytes") - bc(b, "memory_bytes"),
+            "params": block_params(a, h) - block_params(b, h),
+        }
 
     u = unit_blocks(parent_moe)
     one_expert, expert_neuron = diff(routed, u["expert"]), diff(routed, u["expert_neuron"])
@@ -122,8 +126,9 @@ def unit_costs(bc: Any, parent_moe: MoeBlock, h: int) -> dict[str, Any]:
     }
 
 
-def run(proxy: str, space: str, parent: ArchSpec, decisions: list, predict: Any,
-        budgets: dict[str, float]) -> dict[str, Any]:
+def run(
+    proxy: str, space: str, parent: ArchSpec, decisions: list, predict: Any, budgets: dict[str, float]
+) -> dict[str, Any]:
     if space == "moe_only":
         decisions = [d for d in decisions if d.kind.startswith("moe")]
     imp = importance_rows(parent, decisions, proxy)
@@ -140,17 +145,33 @@ def run(proxy: str, space: str, parent: ArchSpec, decisions: list, predict: Any,
     for i, (pb, cb) in enumerate(zip(parent.blocks, child.blocks, strict=True)):
         if isinstance(pb, MoeBlock):
             assert isinstance(cb, MoeBlock)
-            per_moe.append({"block": i, "routed_experts_kept": cb.num_experts, "of": pb.num_experts,
-                            "expert_ffn": cb.expert_ffn, "top_k": cb.top_k,
-                            "shared_ffn_kept": cb.shared_ffn, "shared_of": pb.shared_ffn})
+            per_moe.append(
+                {
+                    "block": i,
+                    "routed_experts_kept": cb.num_experts,
+                    "of": pb.num_experts,
+                    "expert_ffn": cb.expert_ffn,
+                    "top_k": cb.top_k,
+                    "shared_ffn_kept": cb.shared_ffn,
+                    "shared_of": pb.shared_ffn,
+                }
+            )
     kinds: dict[str, int] = {}
     for line in log:
         i = int(line.split("decision ")[1].split(" ")[0])
-        kinds[f"{line.split(':')[0]}_{decisions[i].kind}"] = kinds.get(f"{line.split(':')[0]}_{decisions[i].kind}", 0) + 1
+        kinds[f"{line.split(':')[0]}_{decisions[i].kind}"] = (
+            kinds.get(f"{line.split(':')[0]}_{decisions[i].kind}", 0) + 1
+        )
     return {
-        "importance_proxy": proxy, "space": space, "repair_steps": n_rep, "grow_steps": n_grow, "steps_by_kind": kinds,
-        "child_pattern": child.pattern, "child_params": param_count(child),
-        "predicted": {m: c[m] for m in METRICS}, "budgets": budgets,
+        "importance_proxy": proxy,
+        "space": space,
+        "repair_steps": n_rep,
+        "grow_steps": n_grow,
+        "steps_by_kind": kinds,
+        "child_pattern": child.pattern,
+        "child_params": param_count(child),
+        "predicted": {m: c[m] for m in METRICS},
+        "budgets": budgets,
         "meets_budget": all(c[m] <= b * (1 + 1e-9) for m, b in budgets.items()),
         "shared_expert_full_in_blocks": sum(1 for r in per_moe if r["shared_ffn_kept"] == r["shared_of"]),
         "moe_blocks": len(per_moe),
@@ -176,17 +197,26 @@ def main() -> None:
     out = {
         "label": table.label,
         "note": "estimated, not measured: analytic roofline (no GPU, no engine run); decisions by repair/grow "
-                "with an importance proxy, not by the router (no weights)",
-        "model": parent.name, "target": target.name, "engine_capabilities_used": {k: caps[k] for k in sorted(caps)
-                                                                                  if k.startswith(("vary", "remove"))},
-        "workload": dataclasses.asdict(wl), "dtype": str(target.engine.dtype), "kv_dtype": str(target.engine.kv_dtype),
-        "parent": {"params": param_count(parent), **{m: parent_cost[m] for m in METRICS},
-                   "memory_parts": parent_cost["memory"]},
+        "with an importance proxy, not by the router (no weights)",
+        "model": parent.name,
+        "target": target.name,
+        "engine_capabilities_used": {k: caps[k] for k in sorted(caps) if k.startswith(("vary", "remove"))},
+        "workload": dataclasses.asdict(wl),
+        "dtype": str(target.engine.dtype),
+        "kv_dtype": str(target.engine.kv_dtype),
+        "parent": {
+            "params": param_count(parent),
+            **{m: parent_cost[m] for m in METRICS},
+            "memory_parts": parent_cost["memory"],
+        },
         "budgets": budgets,
         "decisions": {k: sum(1 for d in decisions if d.kind == k) for k in sorted({d.kind for d in decisions})},
         "unit_costs_per_moe_block": unit_costs(bc, moe, parent.hidden),
-        "runs": [run(p, sp, parent, decisions, predict, budgets) for sp in ("full", "moe_only")
-                 for p in ("params", "routing_mass")],
+        "runs": [
+            run(p, sp, parent, decisions, predict, budgets)
+            for sp in ("full", "moe_only")
+            for p in ("params", "routing_mass")
+        ],
     }
     json.dump(out, sys.stdout, indent=1, default=float)
     print()

@@ -70,9 +70,15 @@ class TorchrunStep:
     def command(self) -> list[str]:
         endpoint = f"{os.environ.get('MASTER_ADDR', 'localhost')}:{os.environ.get('MASTER_PORT', '29500')}"
         return [
-            "torchrun", f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={os.environ.get('SLURM_JOB_ID', 'local')}",
-            "-m", self.module, *self.argv,
+            "torchrun",
+            f"--nnodes={self.nnodes}",
+            f"--nproc-per-node={self.nproc}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={os.environ.get('SLURM_JOB_ID', 'local')}",
+            "-m",
+            self.module,
+            *self.argv,
         ]
 
     def __call__(self) -> int:
@@ -93,14 +99,22 @@ def submitit_submit(cfg: Any, stage: str, overrides: list[str], folder: Path, de
     # python="python": the worker runs inside the container, whose python is on PATH
     ex = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=int(cfg.cluster.max_requeues), python="python")
     params: dict[str, Any] = dict(
-        job_name=job.job_name, nodes=step.nodes, ntasks_per_node=1, gpus_per_node=job.gpus_per_node,
+        job_name=job.job_name,
+        nodes=step.nodes,
+        ntasks_per_node=1,
+        gpus_per_node=job.gpus_per_node,
         time=max(1, parse_time(job.time_limit) // 60),
         signal_delay_s=job.signal_seconds,
         setup=[f"export {k}={shlex.quote(v)}" for k, v in job.env]
-        + ['export MASTER_ADDR="$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)"',
-           f"export MASTER_PORT={job.master_port}"],
-        srun_args=[f"--container-image={job.container_image}", f"--container-mounts={job.container_mounts}",
-                   f"--container-workdir={job.container_workdir}"],
+        + [
+            'export MASTER_ADDR="$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)"',
+            f"export MASTER_PORT={job.master_port}",
+        ],
+        srun_args=[
+            f"--container-image={job.container_image}",
+            f"--container-mounts={job.container_mounts}",
+            f"--container-workdir={job.container_workdir}",
+        ],
     )
     cl = cfg.cluster
     for key in ("partition", "account", "qos", "constraint"):
@@ -113,8 +127,16 @@ def submitit_submit(cfg: Any, stage: str, overrides: list[str], folder: Path, de
     return str(sub.job_id)
 
 
-def launch(cfg: Any, overrides: list[str], *, stage: str, chain: bool, render_only: bool, backend: str,
-           out_dir: Path | None = None) -> list[str]:
+def launch(
+    cfg: Any,
+    overrides: list[str],
+    *,
+    stage: str,
+    chain: bool,
+    render_only: bool,
+    backend: str,
+    out_dir: Path | None = None,
+) -> list[str]:
     """Render (and unless ``render_only``, submit or run) the requested job(s); returns job ids
     (Slurm) or the local return codes as strings."""
     stages = list(cfg.stages) if stage == "pipeline" else [stage]
@@ -141,8 +163,11 @@ def launch(cfg: Any, overrides: list[str], *, stage: str, chain: bool, render_on
         Path(job.log_dir).mkdir(parents=True, exist_ok=True)  # Slurm does not create --output dirs
         dep = ids[-1] if ids else None
         if backend == "submitit":
-            ids.append(submitit_submit(cfg, job.steps[0].stage, overrides, Path(job.log_dir), dep) if len(job.steps) == 1
-                       else sbatch_submit(path, dep))
+            ids.append(
+                submitit_submit(cfg, job.steps[0].stage, overrides, Path(job.log_dir), dep)
+                if len(job.steps) == 1
+                else sbatch_submit(path, dep)
+            )
         else:
             ids.append(sbatch_submit(path, dep))
         print(f"submitted {name}: job {ids[-1]}" + (f" (after {dep})" if dep else ""))
@@ -150,12 +175,17 @@ def launch(cfg: Any, overrides: list[str], *, stage: str, chain: bool, render_on
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="autocompress-launch", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stage", default="pipeline", choices=["pipeline", *STAGES],
-                   help="one stage, or the whole pipeline (default)")
-    p.add_argument("--chain", action="store_true",
-                   help="pipeline as one Slurm job per stage, each after the previous (afterok)")
+    p = argparse.ArgumentParser(
+        prog="autocompress-launch",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--stage", default="pipeline", choices=["pipeline", *STAGES], help="one stage, or the whole pipeline (default)"
+    )
+    p.add_argument(
+        "--chain", action="store_true", help="pipeline as one Slurm job per stage, each after the previous (afterok)"
+    )
     p.add_argument("--render-only", action="store_true", help="write and print the scripts / commands; submit nothing")
     p.add_argument("--backend", choices=["sbatch", "submitit"], default="sbatch")
     p.add_argument("--out", type=Path, default=None, help="where rendered scripts go (default <run_dir>/slurm)")
@@ -163,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         cfg = compose(a.overrides)
-        launch(cfg, a.overrides, stage=a.stage, chain=a.chain, render_only=a.render_only, backend=a.backend,
-               out_dir=a.out)
+        launch(
+            cfg, a.overrides, stage=a.stage, chain=a.chain, render_only=a.render_only, backend=a.backend, out_dir=a.out
+        )
     except (LaunchError, ValueError) as e:
         print(f"autocompress-launch: {e}", file=sys.stderr)
         return 2

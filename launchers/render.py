@@ -92,8 +92,11 @@ def stage_layout(cfg: Any, stage: str) -> ParallelLayout:
         section = cfg.distill if stage == "distill" else cfg.search
         batch = cfg.search.calib_sequences if stage == "rank" else section.batch_size
         problems = layout_problems(
-            layout, spec_from_model_config(cfg.model), seq_len=int(section.seq_len),
-            global_batch=int(batch), micro_batch=int(cfg.cluster.micro_batch_size),
+            layout,
+            spec_from_model_config(cfg.model),
+            seq_len=int(section.seq_len),
+            global_batch=int(batch),
+            micro_batch=int(cfg.cluster.micro_batch_size),
         )
         if problems:
             raise LaunchError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
@@ -174,5 +177,13 @@ def local_command(cfg: Any, stage: str, overrides: list[str], python: str = "pyt
     layout = layout_for_stage(cfg.cluster, stage)
     argv = step_for(cfg, stage, overrides).argv
     if layout.world > 1:
-        return ["torchrun", "--standalone", "--nnodes=1", f"--nproc-per-node={layout.procs_per_node}", "-m", MODULE, *argv]
+        return [
+            "torchrun",
+            "--standalone",
+            "--nnodes=1",
+            f"--nproc-per-node={layout.procs_per_node}",
+            "-m",
+            MODULE,
+            *argv,
+        ]
     return [python, "-m", MODULE, *argv]

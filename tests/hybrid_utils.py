@@ -26,8 +26,17 @@ def hetero_hybrid_spec() -> ArchSpec:
     attention block and a removed MLP block. Expert counts are even (EP=2)."""
     A, M, E, F = AttentionBlock, MambaBlock, MoeBlock, MlpBlock
     blocks = (
-        M(4, 16, 16, 2), A(4, 2, 16), E(4, 64, 2, 64, 0, "relu2"), M(2, 16, 16, 2), E(2, 32, 2, 0, 0, "relu2"),
-        F(96, "relu2"), A(0, 0, 16), E(0, 0, 2, 48, 0, "relu2"), M(0, 16, 16, 2), F(0, "relu2"), A(2, 1, 16),
+        M(4, 16, 16, 2),
+        A(4, 2, 16),
+        E(4, 64, 2, 64, 0, "relu2"),
+        M(2, 16, 16, 2),
+        E(2, 32, 2, 0, 0, "relu2"),
+        F(96, "relu2"),
+        A(0, 0, 16),
+        E(0, 0, 2, 48, 0, "relu2"),
+        M(0, 16, 16, 2),
+        F(0, "relu2"),
+        A(2, 1, 16),
         E(4, 48, 2, 32, 0, "relu2"),
     )
     return ArchSpec(hidden=64, vocab=256, blocks=blocks, family="nemotron_h", name="tiny_hetero_hybrid")
@@ -39,7 +48,8 @@ def ids(spec: ArchSpec, T: int = 12, B: int = 2, seed: int = 3) -> torch.Tensor:
 
 requires_mamba = __import__("pytest").mark.skipif(
     __import__("importlib.util").util.find_spec("mamba_ssm") is None,
-    reason="Mamba blocks need mamba-ssm (install: autocompress_nemo/models/hybrid/builder.py MAMBA_INSTALL)")
+    reason="Mamba blocks need mamba-ssm (install: autocompress_nemo/models/hybrid/builder.py MAMBA_INSTALL)",
+)
 
 
 def transformers_nemotron_h(spec: ArchSpec, sd: dict[str, torch.Tensor]):  # noqa: ANN201

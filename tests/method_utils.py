@@ -12,9 +12,15 @@ from autocompress_nemo.models.llama.state_dict_adapter import hf_to_megatron
 
 TINY = ArchSpec.llama(hidden=32, vocab=96, layers=3, heads=4, kv_groups=2, ffn=64, name="tiny")
 CAPS = {
-    "vary_query_heads": True, "vary_kv_groups": True, "vary_ffn": True,
-    "remove_attention": True, "remove_mlp": True, "ffn_align": 8,
-    "first_block_full": True, "last_block_full": True, "attention_needs_ffn": True,
+    "vary_query_heads": True,
+    "vary_kv_groups": True,
+    "vary_ffn": True,
+    "remove_attention": True,
+    "remove_mlp": True,
+    "ffn_align": 8,
+    "first_block_full": True,
+    "last_block_full": True,
+    "attention_needs_ffn": True,
 }
 
 
@@ -36,7 +42,9 @@ class ParamCost:
     def predict(self, spec: ArchSpec) -> dict[str, float]:
         return {"params": float(param_count(spec))}
 
-    def expected(self, options: list[list[Block]], probs: list[torch.Tensor], spec: ArchSpec) -> dict[str, torch.Tensor]:
+    def expected(
+        self, options: list[list[Block]], probs: list[torch.Tensor], spec: ArchSpec
+    ) -> dict[str, torch.Tensor]:
         from autocompress_nemo.arch.counts import block_params
 
         total = torch.zeros(())

@@ -36,8 +36,18 @@ def roofline_target(batch: int) -> TargetConfig:
     t.engine.name, t.engine.dtype, t.engine.kv_dtype = "roofline", "bf16", "bf16"
     c = t.engine.capabilities
     c.block_kinds = KINDS
-    for f in ("vary_query_heads", "vary_kv_groups", "vary_ffn", "remove_mlp", "vary_experts", "vary_expert_ffn",
-              "vary_shared_ffn", "vary_mamba_heads", "remove_mamba", "remove_moe"):
+    for f in (
+        "vary_query_heads",
+        "vary_kv_groups",
+        "vary_ffn",
+        "remove_mlp",
+        "vary_experts",
+        "vary_expert_ffn",
+        "vary_shared_ffn",
+        "vary_mamba_heads",
+        "remove_mamba",
+        "remove_moe",
+    ):
         setattr(c, f, True)
     t.workload.name = "w"
     t.workload.batch, t.workload.input_len, t.workload.output_len, t.workload.context_len = batch, 16, 8, 128
@@ -48,8 +58,9 @@ def roofline_target(batch: int) -> TargetConfig:
 
 def table_at(batch: int) -> CostTable:
     t = roofline_target(batch)
-    return build_hybrid_table(get_engine(t), conf_spec("tiny_hybrid"), Workload.from_config(t.workload),
-                              ffn_points=4, log=lambda s: None)
+    return build_hybrid_table(
+        get_engine(t), conf_spec("tiny_hybrid"), Workload.from_config(t.workload), ffn_points=4, log=lambda s: None
+    )
 
 
 def test_spread_copies_puts_each_copy_between_parent_blocks() -> None:
@@ -70,8 +81,10 @@ def test_moe_entries_are_profiled_at_the_workload_batch(batch: int) -> None:
     entry = next(e for e in table.blocks if e["block"] == routed.__dict__)
     assert entry["decode_ms"] == pytest.approx(eng.block_ms(routed, hybrid.hidden, wl)[1], rel=1e-9)
     pred = Predictor(table, t)
-    child = hybrid.replace(blocks=tuple(
-        MoeBlock(2, 32, 2, 16, 0, "relu2") if isinstance(b, MoeBlock) else b for b in hybrid.blocks), name="child")
+    child = hybrid.replace(
+        blocks=tuple(MoeBlock(2, 32, 2, 16, 0, "relu2") if isinstance(b, MoeBlock) else b for b in hybrid.blocks),
+        name="child",
+    )
     assert pred.predict(child)["decode_ms"] == pytest.approx(eng.measure(child, wl).decode_ms, rel=1e-9)
 
 
@@ -234,14 +247,21 @@ def test_fit_table_predicts_unprofiled_children_and_marks_its_models() -> None:
         checked += 1
     assert checked >= 20
     assert is_reference(parent, table) and profiled_time(parent, table) == {
-        p: table.runs[0][p] for p in ("prefill_ms", "decode_ms")}
+        p: table.runs[0][p] for p in ("prefill_ms", "decode_ms")
+    }
 
 
 def test_drift_scale_uses_the_reference_time_measured_at_profiling() -> None:
     from autocompress_nemo.profile.validate import drift_scale
 
-    ref = {"meas_prefill_ms": 11.0, "meas_decode_ms": 2.2, "pred_prefill_ms": 9.0, "pred_decode_ms": 1.9,
-           "table_prefill_ms": 10.0, "table_decode_ms": 2.0}
+    ref = {
+        "meas_prefill_ms": 11.0,
+        "meas_decode_ms": 2.2,
+        "pred_prefill_ms": 9.0,
+        "pred_decode_ms": 1.9,
+        "table_prefill_ms": 10.0,
+        "table_decode_ms": 2.0,
+    }
     s = drift_scale(ref, output_len=5)
     assert s["prefill_ms"] == pytest.approx(1.1) and s["decode_ms"] == pytest.approx(1.1)
     assert s["response_latency_ms"] == pytest.approx(1.1) and s["memory_bytes"] == 1.0

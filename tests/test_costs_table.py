@@ -45,9 +45,14 @@ def table() -> CostTable:
 
 
 def hetero() -> ArchSpec:
-    layers = [(AttentionBlock(8, 4, 32), MlpBlock(768)), (AttentionBlock(4, 2, 32), MlpBlock(320)),
-              (AttentionBlock(0, 0, 32), MlpBlock(576)), (AttentionBlock(0, 0, 32), MlpBlock(0)),
-              (AttentionBlock(2, 1, 32), MlpBlock(192)), (AttentionBlock(8, 4, 32), MlpBlock(768))]
+    layers = [
+        (AttentionBlock(8, 4, 32), MlpBlock(768)),
+        (AttentionBlock(4, 2, 32), MlpBlock(320)),
+        (AttentionBlock(0, 0, 32), MlpBlock(576)),
+        (AttentionBlock(0, 0, 32), MlpBlock(0)),
+        (AttentionBlock(2, 1, 32), MlpBlock(192)),
+        (AttentionBlock(8, 4, 32), MlpBlock(768)),
+    ]
     return PARENT.replace(blocks=tuple(b for layer in layers for b in layer), name="hetero")
 
 
@@ -108,8 +113,9 @@ def test_resolve_budget_relative_and_throughput(table: CostTable) -> None:
     parent = pred.predict(PARENT)
     b = resolve_budget(target().budget, parent)
     assert b == {"decode_ms": pytest.approx(0.6 * parent["decode_ms"])}
-    b2 = resolve_budget([{"metric": "throughput_tps", "value": 400.0}, {"metric": "memory_bytes", "value": "0.5x"}],
-                        parent, batch=2)
+    b2 = resolve_budget(
+        [{"metric": "throughput_tps", "value": 400.0}, {"metric": "memory_bytes", "value": "0.5x"}], parent, batch=2
+    )
     assert b2["decode_ms"] == pytest.approx(1000 * 2 / 400.0)
     assert b2["memory_bytes"] == pytest.approx(0.5 * parent["memory_bytes"])
     with pytest.raises(ValueError, match="not additive"):
@@ -141,8 +147,9 @@ def test_profile_stage_builds_reuses_refuses_and_validates(tmp_path) -> None:
     assert table.provenance["profile_models"] == len(table.runs) and not table.estimated
     mtime = path.stat().st_mtime
     assert run_profile(cfg, tmp_path) == path and path.stat().st_mtime == mtime  # reused, not rebuilt
-    other = compose(["+target=tiny_cpu", "model=tiny_llama", "engine@target.engine=llama_cpp_cpu",
-                     "target.engine.threads=2"])
+    other = compose(
+        ["+target=tiny_cpu", "model=tiny_llama", "engine@target.engine=llama_cpp_cpu", "target.engine.threads=2"]
+    )
     with pytest.raises(ProvenanceMismatch, match="threads: table has 1, target needs 2"):
         load_table(other, path)
     summary = run_validate(cfg, path, tmp_path, n_random=6)

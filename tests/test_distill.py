@@ -39,8 +39,16 @@ def _models(student_seed: int = 1):
 
 
 def _cfg(steps: int, **kw) -> DistillConfig:
-    base = dict(tokens=steps * 4 * 16, batch_size=4, seq_len=16, lr=3e-3, min_lr=3e-4, warmup_steps=2,
-                checkpoint_every=2, log_every=1)
+    base = dict(
+        tokens=steps * 4 * 16,
+        batch_size=4,
+        seq_len=16,
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup_steps=2,
+        checkpoint_every=2,
+        log_every=1,
+    )
     base.update(kw)
     return DistillConfig(**base)
 
@@ -125,11 +133,20 @@ def test_matched_layers_and_clear_errors(megatron_tp1, tmp_path: Path) -> None:
     narrow = ArchSpec.llama(hidden=32, vocab=128, layers=2, heads=2, kv_groups=1, ffn=64, head_dim=16)
     student = build_model(narrow, init_seed=0, impl="local")
     with pytest.raises(ValueError, match="intermediate_weight=0"):
-        distill(student, teacher, forward_logits, batch_fn(128, 4, 16), _cfg(2, intermediate_weight=1.0),
-                tmp_path / "h", seed=0, optimizer="torch")
+        distill(
+            student,
+            teacher,
+            forward_logits,
+            batch_fn(128, 4, 16),
+            _cfg(2, intermediate_weight=1.0),
+            tmp_path / "h",
+            seed=0,
+            optimizer="torch",
+        )
     with pytest.raises(ValueError, match="distill.batch_size=4"):
-        distill(student, teacher, forward_logits, batch_fn(128, 3, 16), _cfg(2), tmp_path / "b", seed=0,
-                optimizer="torch")
+        distill(
+            student, teacher, forward_logits, batch_fn(128, 3, 16), _cfg(2), tmp_path / "b", seed=0, optimizer="torch"
+        )
 
 
 def test_wandb_logging_when_configured(megatron_tp1, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -173,10 +190,22 @@ def _parallel_run(rank: int, world: int, tp: int, out_dir: str, steps: int) -> d
     init_distributed(tp=tp, seed=0)
     teacher = build_model(tiny_uniform_spec(), init_seed=0, impl="local")
     student = build_model(tiny_hetero_spec(), init_seed=1, impl="local")
-    res = distill(student, teacher, forward_logits, batch_fn(128, 4, 16), _cfg(steps, intermediate_weight=0.5),
-                  out_dir, seed=7, optimizer="torch", log=lambda s: None)
-    return {"losses": [r["loss"] for r in res["history"]], "weights": megatron_to_hf(tiny_hetero_spec(), student),
-            "world": res["world"]}
+    res = distill(
+        student,
+        teacher,
+        forward_logits,
+        batch_fn(128, 4, 16),
+        _cfg(steps, intermediate_weight=0.5),
+        out_dir,
+        seed=7,
+        optimizer="torch",
+        log=lambda s: None,
+    )
+    return {
+        "losses": [r["loss"] for r in res["history"]],
+        "weights": megatron_to_hf(tiny_hetero_spec(), student),
+        "world": res["world"],
+    }
 
 
 @pytest.mark.distributed
@@ -186,7 +215,9 @@ def test_parallel_distill_matches_one_process(megatron_tp1, tmp_path: Path, tp: 
 
     ref = _parallel_run(0, 1, 1, str(tmp_path / "ref"), 4)
     outs = spawn(_parallel_run, 2, tp, str(tmp_path / "par"), 4)
-    assert outs[0]["world"] == ({"dp": 2, "tp": 1, "pp": 1, "ep": 1} if tp == 1 else {"dp": 1, "tp": 2, "pp": 1, "ep": 1})
+    assert outs[0]["world"] == (
+        {"dp": 2, "tp": 1, "pp": 1, "ep": 1} if tp == 1 else {"dp": 1, "tp": 2, "pp": 1, "ep": 1}
+    )
     for o in outs:
         assert o["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
         for k, v in ref["weights"].items():
@@ -198,8 +229,10 @@ def test_parallel_distill_matches_one_process(megatron_tp1, tmp_path: Path, tp: 
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="Megatron's DDP and optimizer allocate CUDA buffers; "
-                    "the Megatron optimizer path runs only with a GPU")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="Megatron's DDP and optimizer allocate CUDA buffers; the Megatron optimizer path runs only with a GPU",
+)
 def test_megatron_optimizer_path_resumes(megatron_tp1, tmp_path: Path) -> None:
     from autocompress_nemo.models.builder import forward_logits
 
@@ -210,7 +243,8 @@ def test_megatron_optimizer_path_resumes(megatron_tp1, tmp_path: Path) -> None:
     assert res_a["optimizer"] == "megatron.core.optimizer"
     assert res_a["history"][-1]["loss"] < res_a["history"][0]["loss"]
     assert [r["lr"] for r in res_a["history"]] == pytest.approx(
-        [lr_at(s, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=4) for s in range(4)])
+        [lr_at(s, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=4) for s in range(4)]
+    )
 
     def dies_at_3(step: int) -> torch.Tensor:
         if step == 3:

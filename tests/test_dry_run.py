@@ -17,14 +17,14 @@ from autocompress_nemo.plan.dry_run import run_dry_run
 CONF = os.path.join(os.path.dirname(autocompress_nemo.__file__), "conf")
 
 # Hand calculation from the published config (docs/nemotron_super_b200.md, section 1).
-EMBED = 131072 * 4096 * 2 + 4096                                # embedding + untied LM head + final norm
-ATTN = 4096 * 32 * 128 * 2 + 2 * 4096 * 2 * 128 + 4096          # Q, O; K, V; norm
+EMBED = 131072 * 4096 * 2 + 4096  # embedding + untied LM head + final norm
+ATTN = 4096 * 32 * 128 * 2 + 2 * 4096 * 2 * 128 + 4096  # Q, O; K, V; norm
 MAMBA = 4096 * (2 * 8192 + 2 * 8 * 128 + 128) + 10240 * 5 + 3 * 128 + 8192 + 8192 * 4096 + 4096
 MOE = 4096 * 512 + 512 * 2 * 1024 * 2688 + 2 * 4096 * 1024 + 2 * 4096 * 5376 + 4096
 HAND_PARAMS = EMBED + 8 * ATTN + 40 * MAMBA + 40 * MOE
 HAND_WEIGHTS_BF16 = 2 * HAND_PARAMS
-HAND_KV_128K = 8 * 2 * 2 * 128 * 2 * 131072                       # 8 attention blocks, K+V, 2 groups, d=128, bf16
-HAND_SSM_FP32 = 40 * (128 * 64 * 128 + 10240 * 3) * 4            # per sequence, float32 cache
+HAND_KV_128K = 8 * 2 * 2 * 128 * 2 * 131072  # 8 attention blocks, K+V, 2 groups, d=128, bf16
+HAND_SSM_FP32 = 40 * (128 * 64 * 128 + 10240 * 3) * 4  # per sequence, float32 cache
 
 
 def compose_run(overrides: list[str]):
@@ -95,14 +95,23 @@ def test_plan_files_written_and_fast(plan):
 
 def test_one_node_distill_does_not_fit(tmp_path):
     """Teacher + student with fp32 Adam exceed one 8 x B200 node: the plan says so."""
-    cfg = compose_run(["+target=b200_128k", "+experiment=nemotron_super_b200", "dry_run=true", f"run_dir={tmp_path}",
-                       "cluster.stage_layouts.distill={nodes:1,tp:1,sequence_parallel:false,ep:8,etp:1}"])
+    cfg = compose_run(
+        [
+            "+target=b200_128k",
+            "+experiment=nemotron_super_b200",
+            "dry_run=true",
+            f"run_dir={tmp_path}",
+            "cluster.stage_layouts.distill={nodes:1,tp:1,sequence_parallel:false,ep:8,etp:1}",
+        ]
+    )
     p = run_dry_run(cfg)
     assert p["stages"]["distill"]["memory"]["fits"] is False
     assert "DOES NOT FIT" in (tmp_path / "plan.md").read_text()
 
 
 def test_bad_layout_reported_not_raised(tmp_path):
-    cfg = compose_run(["+target=b200_128k", "+experiment=nemotron_super_b200", "dry_run=true", f"run_dir={tmp_path}", "cluster.tp=3"])
+    cfg = compose_run(
+        ["+target=b200_128k", "+experiment=nemotron_super_b200", "dry_run=true", f"run_dir={tmp_path}", "cluster.tp=3"]
+    )
     p = run_dry_run(cfg)
     assert any("tp=3 does not divide attention num_heads=32" in x for x in p["stages"]["search"]["problems"])

@@ -20,13 +20,28 @@ VOCAB = 49152  # the SmolLM2 tokenizer copied into every written GGUF
 
 
 def llama_caps() -> dict:
-    return dict(vary_query_heads=True, vary_kv_groups=True, vary_ffn=True, remove_attention=True, remove_mlp=True,
-                first_block_full=True, last_block_full=True, attention_needs_ffn=True, ffn_align=1)
+    return dict(
+        vary_query_heads=True,
+        vary_kv_groups=True,
+        vary_ffn=True,
+        remove_attention=True,
+        remove_mlp=True,
+        first_block_full=True,
+        last_block_full=True,
+        attention_needs_ffn=True,
+        ffn_align=1,
+    )
 
 
 def trt_caps() -> dict:
-    return dict(vary_query_heads=False, vary_kv_groups=True, vary_ffn=True, remove_attention=True, remove_mlp=True,
-                ffn_align=256)
+    return dict(
+        vary_query_heads=False,
+        vary_kv_groups=True,
+        vary_ffn=True,
+        remove_attention=True,
+        remove_mlp=True,
+        ffn_align=256,
+    )
 
 
 def layers(spec: ArchSpec, ls: list[tuple[AttentionBlock, MlpBlock]], name: str = "") -> ArchSpec:
@@ -51,8 +66,14 @@ def test_llama_cpp_pitfalls_are_rejected_with_reasons() -> None:
 
 def test_trtllm_rejects_query_heads_and_unaligned_ffn() -> None:
     parent = ArchSpec.llama(hidden=512, vocab=1000, layers=3, heads=8, kv_groups=4, ffn=1024)
-    bad = layers(parent, [(AttentionBlock(4, 2, 64), MlpBlock(1000)), (AttentionBlock(8, 2, 64), MlpBlock(768)),
-                          (AttentionBlock(8, 4, 64), MlpBlock(1024))])
+    bad = layers(
+        parent,
+        [
+            (AttentionBlock(4, 2, 64), MlpBlock(1000)),
+            (AttentionBlock(8, 2, 64), MlpBlock(768)),
+            (AttentionBlock(8, 4, 64), MlpBlock(1024)),
+        ],
+    )
     reasons = capability_problems(bad, trt_caps(), parent)
     assert any("block 0: 4 query heads" in r and "vary_query_heads=False" in r for r in reasons)
     assert any("block 1: ffn 1000 is not a multiple of ffn_align=256" in r for r in reasons)
@@ -63,8 +84,11 @@ def engine_target(threads: int = 1) -> TargetConfig:
     t = OmegaConf.structured(TargetConfig)
     t.name = "tiny_llamacpp"
     t.hardware.name = "cpu"
-    t.engine = OmegaConf.structured(EngineConfig(name="llama_cpp", dtype="f16", threads=threads, repeats=2,
-                                                 settings={"decode_steps": 8, "rounds": 1}))
+    t.engine = OmegaConf.structured(
+        EngineConfig(
+            name="llama_cpp", dtype="f16", threads=threads, repeats=2, settings={"decode_steps": 8, "rounds": 1}
+        )
+    )
     for k, v in llama_caps().items():
         t.engine.capabilities[k] = v
     return t
@@ -86,8 +110,13 @@ def test_llama_cpp_loads_generates_and_reports_memory(tmp_path, kind: str) -> No
 
     from autocompress_nemo.export.gguf import spec_from_gguf, write_gguf
 
-    spec = TINY if kind == "uniform" else layers(
-        TINY, [(A, M), (NOATT, NOFFN), (AttentionBlock(2, 1, 16), MlpBlock(96)), (NOATT, MlpBlock(64)), (A, M)])
+    spec = (
+        TINY
+        if kind == "uniform"
+        else layers(
+            TINY, [(A, M), (NOATT, NOFFN), (AttentionBlock(2, 1, 16), MlpBlock(96)), (NOATT, MlpBlock(64)), (A, M)]
+        )
+    )
     path = write_gguf(spec, tmp_path / f"{kind}.gguf")
     back = spec_from_gguf(path)
     assert back.blocks == spec.blocks and back.hidden == spec.hidden and back.tied_embeddings
@@ -116,9 +145,18 @@ def test_real_weights_match_transformers(tmp_path) -> None:
     from autocompress_nemo.export.gguf import write_gguf
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=VOCAB, rms_norm_eps=1e-5, rope_theta=10000.0,
-                      tie_word_embeddings=True, max_position_embeddings=256)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+    )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -146,12 +184,20 @@ def test_gpu_engine_measures(tmp_path, name: str) -> None:
         pytest.skip(f"{name} needs the {mod} package, which is not installed")
     t = OmegaConf.structured(TargetConfig)
     t.name, t.hardware.name = "gpu", "gpu"
-    t.engine = OmegaConf.structured(EngineConfig(name=name, dtype="bf16", kv_dtype="bf16", repeats=3,
-                                                 settings={"decode_steps": 16}))
+    t.engine = OmegaConf.structured(
+        EngineConfig(name=name, dtype="bf16", kv_dtype="bf16", repeats=3, settings={"decode_steps": 16})
+    )
     for k, v in trt_caps().items():
         t.engine.capabilities[k] = v
     parent = ArchSpec.llama(hidden=512, vocab=32000, layers=4, heads=8, kv_groups=4, ffn=1024)
-    hetero = layers(parent, [(AttentionBlock(8, 4, 64), MlpBlock(1024)), (AttentionBlock(8, 2, 64), MlpBlock(512)),
-                             (AttentionBlock(0, 0, 64), MlpBlock(768)), (AttentionBlock(8, 4, 64), MlpBlock(1024))])
+    hetero = layers(
+        parent,
+        [
+            (AttentionBlock(8, 4, 64), MlpBlock(1024)),
+            (AttentionBlock(8, 2, 64), MlpBlock(512)),
+            (AttentionBlock(0, 0, 64), MlpBlock(768)),
+            (AttentionBlock(8, 4, 64), MlpBlock(1024)),
+        ],
+    )
     m = get_engine(t, tmp_path).measure(hetero, Workload(1, 128, 16, 512))
     assert m.prefill_ms > 0 and m.decode_ms > 0 and m.memory["weights"] > 0

@@ -39,8 +39,11 @@ def run_ep(rank: int, world: int, spec_json: str, hf_sd: dict, ids_BT: torch.Ten
     spec = ArchSpec.from_json(spec_json)
     init_distributed(tp=1, ep=world, seed=0)
     model = build_model(spec).train()
-    n_local = {len(layer.mlp.experts.local_experts) for layer in model.decoder.layers
-               if hasattr(getattr(layer, "mlp", None), "experts")}
+    n_local = {
+        len(layer.mlp.experts.local_experts)
+        for layer in model.decoder.layers
+        if hasattr(getattr(layer, "mlp", None), "experts")
+    }
     x = ids_BT[rank : rank + 1] if world > 1 else ids_BT
     hf_to_megatron(spec, hf_sd, model)
     logits = forward_logits(model, x)
@@ -111,8 +114,9 @@ def test_tp2_forward_matches_tp1_hybrid(megatron_tp1):
         assert exact and (logits - ref).abs().max().item() < TOL
 
 
-def run_kd_train(rank: int, world: int, spec_json: str, student_sd: dict, teacher_sd: dict,
-                 batches: list[torch.Tensor]) -> dict:
+def run_kd_train(
+    rank: int, world: int, spec_json: str, student_sd: dict, teacher_sd: dict, batches: list[torch.Tensor]
+) -> dict:
     """``kd_train`` (Minitron++ retraining, search warm-up) at EP=``world``: every rank passes the
     same global batches. Returns the gradients Adam received at its first step (full set, experts
     gathered from the EP ranks) and the loss history."""
@@ -140,8 +144,9 @@ def run_kd_train(rank: int, world: int, spec_json: str, student_sd: dict, teache
     adam = torch.optim.Adam
     torch.optim.Adam = Recording  # kd_train builds torch.optim.Adam; put it back afterwards (EP=1 runs in-process)
     try:
-        losses = kd.kd_train(student, lambda x: forward_logits(teacher, x), lambda x: forward_logits(student, x),
-                             batches, lr=1e-2)
+        losses = kd.kd_train(
+            student, lambda x: forward_logits(teacher, x), lambda x: forward_logits(student, x), batches, lr=1e-2
+        )
     finally:
         torch.optim.Adam = adam
     return {"grads": seen, "losses": losses}

@@ -35,16 +35,29 @@ pytestmark = [requires_mamba]
 
 EXP_LIMIT = math.log(torch.finfo(torch.float32).max)  # ~88.72
 OVERRIDES = ["model=tiny_hybrid", "+target=tiny_hybrid_cpu", "search=quick"]
-SEARCH = dict(steps=3, router_lr=0.3, weight_lr=3e-3, tau_start=1.0, tau_end=0.5, kd_temperature=1.0,
-              penalty_over=20.0, penalty_under=1.0, slack=0.05, train_weights=False, checkpoint_every=0)
+SEARCH = dict(
+    steps=3,
+    router_lr=0.3,
+    weight_lr=3e-3,
+    tau_start=1.0,
+    tau_end=0.5,
+    kd_temperature=1.0,
+    penalty_over=20.0,
+    penalty_under=1.0,
+    slack=0.05,
+    train_weights=False,
+    checkpoint_every=0,
+)
 DT_SHIFT = 1.0
 
 
 def _scan_inputs(L: int, dt_bias: float, seed: int = 0) -> tuple:
     g = torch.Generator().manual_seed(seed)
     b, h, p, groups, n = 2, 4, 8, 2, 16
-    leaf = [torch.randn(s, generator=g).requires_grad_() for s in
-            ((b, L, h, p), (b, L, h), (b, L, groups, n), (b, L, groups, n), (b, L, h, p))]
+    leaf = [
+        torch.randn(s, generator=g).requires_grad_()
+        for s in ((b, L, h, p), (b, L, h), (b, L, groups, n), (b, L, groups, n), (b, L, h, p))
+    ]
     x, dt, B, C, z = leaf
     return x, dt, -torch.arange(1.0, h + 1), B, C, torch.randn(h, generator=g), z, torch.full((h,), dt_bias)
 
@@ -80,7 +93,9 @@ def test_cpu_ssd_scan_backward_finite_past_exp_overflow() -> None:
         y, grads = _scan(compat_cpu._ssd_scan_reference, args, chunk, pad_here=False)
         y_ref, grads_ref = _scan(ssd_chunk_scan_combined_ref, args, chunk, pad_here=True)
         assert torch.equal(y, y_ref), f"L={L} chunk={chunk}: forward differs from mamba-ssm's reference"
-        assert all(bool(torch.isfinite(gr).all()) for gr in grads), f"L={L} chunk={chunk} dt_bias={bias}: NaN/inf gradient"
+        assert all(bool(torch.isfinite(gr).all()) for gr in grads), (
+            f"L={L} chunk={chunk} dt_bias={bias}: NaN/inf gradient"
+        )
         ref_finite = all(bool(torch.isfinite(gr).all()) for gr in grads_ref)
         assert ref_finite != overflow, f"L={L} chunk={chunk}: the case does not test what it says"
         kinds.add(overflow)
@@ -128,13 +143,26 @@ def _search(rank: int, world: int, out_dir: str) -> dict:
         # the EP=2 layout's space (routed-expert counts 2 or 4 of 4) in both runs, so that they compare
         caps = stages.search_capabilities(compose([*OVERRIDES, "cluster.ep=2", "cluster.processes_per_node=2"]))
         decisions = build_space(spec, caps, int(cfg.search.ffn_options))
-        o = run_router_search(model, spec, decisions, ParamCost(), {"params": 0.5 * param_count(spec)},
-                              lambda s: ctx.batch_at("train", s, 2, 128, seed_offset=17), forward_logits,
-                              SimpleNamespace(**SEARCH), seed=0, log=lambda s: None)
+        o = run_router_search(
+            model,
+            spec,
+            decisions,
+            ParamCost(),
+            {"params": 0.5 * param_count(spec)},
+            lambda s: ctx.batch_at("train", s, 2, 128, seed_offset=17),
+            forward_logits,
+            SimpleNamespace(**SEARCH),
+            seed=0,
+            log=lambda s: None,
+        )
     finally:
         mamba_mixer.mamba_chunk_scan_combined = scan
-    return {"skipped": [r["skipped"] for r in o.trajectory], "entropy": [r["entropy"] for r in o.trajectory],
-            "probs": o.probs, "max_chunk_sum": max(sums[1::2])}  # per forward: block 0, then block 3
+    return {
+        "skipped": [r["skipped"] for r in o.trajectory],
+        "entropy": [r["entropy"] for r in o.trajectory],
+        "probs": o.probs,
+        "max_chunk_sum": max(sums[1::2]),
+    }  # per forward: block 0, then block 3
 
 
 @pytest.mark.distributed
@@ -143,8 +171,10 @@ def test_ep2_router_search_finite_when_mamba_decay_overflows(megatron_tp1, tmp_p
 
     ref = _search(0, 1, str(tmp_path / "ep1"))
     two = spawn(_search, 2, str(tmp_path / "ep2"))
-    print(f"largest chunk sum of dt*|A| in the second Mamba block: EP=1 {ref['max_chunk_sum']:.1f}, EP=2 ranks "
-          f"{[round(r['max_chunk_sum'], 1) for r in two]} (exp overflows above {EXP_LIMIT:.2f})")
+    print(
+        f"largest chunk sum of dt*|A| in the second Mamba block: EP=1 {ref['max_chunk_sum']:.1f}, EP=2 ranks "
+        f"{[round(r['max_chunk_sum'], 1) for r in two]} (exp overflows above {EXP_LIMIT:.2f})"
+    )
     assert ref["max_chunk_sum"] > EXP_LIMIT, "the case no longer reaches the exp overflow: raise DT_SHIFT"
     assert max(r["max_chunk_sum"] for r in two) > EXP_LIMIT
     for out in (ref, *two):
@@ -152,7 +182,8 @@ def test_ep2_router_search_finite_when_mamba_decay_overflows(megatron_tp1, tmp_p
         assert all(math.isfinite(h) for h in out["entropy"])
         assert all(math.isfinite(p) for ps in out["probs"] for p in ps)
     for out in two:
-        worst = max(abs(a - b) for pa, pb in zip(out["probs"], ref["probs"], strict=True)
-                    for a, b in zip(pa, pb, strict=True))
+        worst = max(
+            abs(a - b) for pa, pb in zip(out["probs"], ref["probs"], strict=True) for a, b in zip(pa, pb, strict=True)
+        )
         print(f"EP=2 vs EP=1 max |dprob| = {worst:.2e}")
         assert worst < 1e-5

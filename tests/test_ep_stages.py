@@ -39,17 +39,44 @@ from hybrid_utils import requires_mamba
 
 pytestmark = [pytest.mark.distributed, requires_mamba]
 
-OVERRIDES = ["model=tiny_hybrid", "+target=tiny_hybrid_cpu", "search=quick", "search.calib_sequences=4",
-             "search.batch_size=2", "search.seq_len=16", "distill.tokens=384", "distill.batch_size=4",
-             "distill.seq_len=16", "distill.lr=3e-3", "distill.min_lr=3e-4", "distill.warmup_steps=2",
-             "distill.intermediate_weight=0.5", "distill.checkpoint_every=2"]
-SEARCH = dict(steps=10, router_lr=0.2, weight_lr=3e-3, tau_start=1.0, tau_end=0.2, kd_temperature=1.0,
-              penalty_over=20.0, penalty_under=1.0, slack=0.05)
+OVERRIDES = [
+    "model=tiny_hybrid",
+    "+target=tiny_hybrid_cpu",
+    "search=quick",
+    "search.calib_sequences=4",
+    "search.batch_size=2",
+    "search.seq_len=16",
+    "distill.tokens=384",
+    "distill.batch_size=4",
+    "distill.seq_len=16",
+    "distill.lr=3e-3",
+    "distill.min_lr=3e-4",
+    "distill.warmup_steps=2",
+    "distill.intermediate_weight=0.5",
+    "distill.checkpoint_every=2",
+]
+SEARCH = dict(
+    steps=10,
+    router_lr=0.2,
+    weight_lr=3e-3,
+    tau_start=1.0,
+    tau_end=0.2,
+    kd_temperature=1.0,
+    penalty_over=20.0,
+    penalty_under=1.0,
+    slack=0.05,
+)
 # the student: per-block shapes, every routed-expert count even (EP=2): (kind, block) -> option fields
-CHILD = {("mamba", 0): dict(num_heads=2), ("attention", 1): dict(num_heads=2, num_kv_groups=2),
-         ("moe_routed", 2): dict(num_experts=4, expert_ffn=32, top_k=2), ("moe_shared", 2): dict(shared_ffn=32),
-         ("mamba", 3): dict(num_heads=4), ("moe_routed", 4): dict(num_experts=2, expert_ffn=48, top_k=2),
-         ("moe_shared", 4): dict(shared_ffn=64), ("mlp", 5): dict(ffn=64)}
+CHILD = {
+    ("mamba", 0): dict(num_heads=2),
+    ("attention", 1): dict(num_heads=2, num_kv_groups=2),
+    ("moe_routed", 2): dict(num_experts=4, expert_ffn=32, top_k=2),
+    ("moe_shared", 2): dict(shared_ffn=32),
+    ("mamba", 3): dict(num_heads=4),
+    ("moe_routed", 4): dict(num_experts=2, expert_ffn=48, top_k=2),
+    ("moe_shared", 4): dict(shared_ffn=64),
+    ("mlp", 5): dict(ffn=64),
+}
 TOL, TOL_W, TOL_TRAINED = 1e-5, 5e-5, 2e-4
 
 
@@ -86,16 +113,23 @@ def _stages(rank: int, world: int, out_dir: str) -> dict:
     validate(cfg)
     run, ctx = Run(cfg, say=lambda s: None), Context(cfg, say=lambda s: None)
     spec, sd, _ = ctx.parent
-    n_local = {len(layer.mlp.experts.local_experts) for layer in ctx.model(spec, sd).decoder.layers
-               if hasattr(getattr(layer, "mlp", None), "experts")}
+    n_local = {
+        len(layer.mlp.experts.local_experts)
+        for layer in ctx.model(spec, sd).decoder.layers
+        if hasattr(getattr(layer, "mlp", None), "experts")
+    }
     res: dict = {"n_local": n_local}
 
     # -- rank: the stage (every rank calibrates on the same batches; rank 0 writes the artifact) ---
     rank_dir = run.stage("rank", lambda o: stages.rank(ctx, o), ("model", "search"))
     scores = read_json(rank_dir / "scores.json")
     res["tokens"] = scores["tokens"]
-    res["scores"] = {(g, f): torch.tensor(b[f], dtype=torch.float64) for g, b in enumerate(scores["blocks"])
-                     for f in b if b[f] is not None}
+    res["scores"] = {
+        (g, f): torch.tensor(b[f], dtype=torch.float64)
+        for g, b in enumerate(scores["blocks"])
+        for f in b
+        if b[f] is not None
+    }
     res["perms"] = read_json(rank_dir / "permutations.json")
 
     # -- search: the router on the sorted parent, with the search stage's batches ---------------
@@ -110,8 +144,20 @@ def _stages(rank: int, world: int, out_dir: str) -> dict:
             return ctx.batch_at("train", s, 2, 16, seed_offset=17)  # as stages.search_core
 
         c = SimpleNamespace(**SEARCH, train_weights=train_weights, checkpoint_every=2 if ckpt else 0)
-        o = run_router_search(ctx.model(pspec, psd), pspec, decisions, ParamCost(), budget, batch_at, forward_logits,
-                              c, seed=3, checkpoint=ckpt, log=lambda s: None, router_init="parent")
+        o = run_router_search(
+            ctx.model(pspec, psd),
+            pspec,
+            decisions,
+            ParamCost(),
+            budget,
+            batch_at,
+            forward_logits,
+            c,
+            seed=3,
+            checkpoint=ckpt,
+            log=lambda s: None,
+            router_init="parent",
+        )
         return {"choices": o.choices, "probs": o.probs, "kd": [r["kd"] for r in o.trajectory], "tokens": o.tokens}
 
     res["search"] = search(False)  # the configured default: shared weights frozen
@@ -127,10 +173,12 @@ def _stages(rank: int, world: int, out_dir: str) -> dict:
 
     # -- extract: the stage, for a fixed heterogeneous child (4 and 2 routed experts) -------------
     child = apply_choices(pspec, decisions, _choose(decisions, CHILD))
-    search_dir = run.stage("search_fixed", lambda o: write_json_atomic(o / "arch.json", {"child": child.to_dict()}),
-                           ("model",), [rank_dir])
-    extract_dir = run.stage("extract", lambda o: stages.extract(ctx, o, rank_dir, search_dir), ("model",),
-                            [rank_dir, search_dir])
+    search_dir = run.stage(
+        "search_fixed", lambda o: write_json_atomic(o / "arch.json", {"child": child.to_dict()}), ("model",), [rank_dir]
+    )
+    extract_dir = run.stage(
+        "extract", lambda o: stages.extract(ctx, o, rank_dir, search_dir), ("model",), [rank_dir, search_dir]
+    )
 
     # -- distill: the stage (each DP rank on B/dp rows), uninterrupted and killed + resumed ------
     def distill(name: str, kill_at: int | None = None) -> dict:
@@ -143,13 +191,22 @@ def _stages(rank: int, world: int, out_dir: str) -> dict:
 
         ctx.batch_at = batch_at  # type: ignore[method-assign]
         try:
-            d = run.stage(name, lambda o: stages.distill(ctx, o, rank_dir, extract_dir, run.ckpt_dir(name)),
-                          ("distill",), [rank_dir, extract_dir])
+            d = run.stage(
+                name,
+                lambda o: stages.distill(ctx, o, rank_dir, extract_dir, run.ckpt_dir(name)),
+                ("distill",),
+                [rank_dir, extract_dir],
+            )
         finally:
             del ctx.batch_at
         r = read_json(d / "distill.json")
-        return {"loss": [h["loss"] for h in r["history"]], "grad_norm": [h["grad_norm"] for h in r["history"]],
-                "weights": load_weights(d)[1], "world": r["world"], "resumed_from": r["resumed_from_step"]}
+        return {
+            "loss": [h["loss"] for h in r["history"]],
+            "grad_norm": [h["grad_norm"] for h in r["history"]],
+            "weights": load_weights(d)[1],
+            "world": r["world"],
+            "resumed_from": r["resumed_from_step"],
+        }
 
     res["distill"] = distill("distill_a")
     try:
@@ -204,8 +261,10 @@ def test_ep2_router_search_equals_ep1(runs) -> None:
         o, t = out["search"], out["search_trained"]
         dp, dkd = _diff(o, ref["search"])
         tp, tkd = _diff(t, ref["search_trained"])
-        print(f"rank {r}: EP=2 vs EP=1 search max |dprob| = {dp:.2e}, max |dkd| = {dkd:.2e}, choices {o['choices']}; "
-              f"training the shared weights: max |dprob| = {tp:.2e}, max |dkd| = {tkd:.2e}")
+        print(
+            f"rank {r}: EP=2 vs EP=1 search max |dprob| = {dp:.2e}, max |dkd| = {dkd:.2e}, choices {o['choices']}; "
+            f"training the shared weights: max |dprob| = {tp:.2e}, max |dkd| = {tkd:.2e}"
+        )
         assert o["choices"] == ref["search"]["choices"] and o["tokens"] == ref["search"]["tokens"]
         assert dp < TOL and dkd < TOL
         assert t["choices"] == ref["search_trained"]["choices"]
@@ -215,16 +274,21 @@ def test_ep2_router_search_equals_ep1(runs) -> None:
         assert again["kd"] == pytest.approx(t["kd"], abs=1e-6)
         assert sum(again["probs"], []) == pytest.approx(sum(t["probs"], []), abs=1e-6)
         # the router file and one weight shard per EP rank of the last checkpoint (step 10)
-        assert out["search_files"] == ["router.pt", "router.pt.mp_tp00_ep00_pp000.step000010.pt",
-                                       "router.pt.mp_tp00_ep01_pp000.step000010.pt"]
+        assert out["search_files"] == [
+            "router.pt",
+            "router.pt.mp_tp00_ep00_pp000.step000010.pt",
+            "router.pt.mp_tp00_ep01_pp000.step000010.pt",
+        ]
 
 
 def test_ep2_distill_equals_ep1_and_resumes(runs) -> None:
     ref, two = runs
     d = ref["distill"]
     assert d["loss"][-1] < d["loss"][0] and min(d["grad_norm"]) > 0
-    print(f"EP=1 distill: loss {d['loss'][0]:.4f} -> {d['loss'][-1]:.4f}, gradient norms {d['grad_norm']} "
-          "(clipped above 1.0)")
+    print(
+        f"EP=1 distill: loss {d['loss'][0]:.4f} -> {d['loss'][-1]:.4f}, gradient norms {d['grad_norm']} "
+        "(clipped above 1.0)"
+    )
     assert ref["distill_resumed"]["resumed_from"] == 2 and ref["shards"] == ["mp_tp00_pp000.pt"]
     assert _worst(ref["distill_resumed"]["weights"], d["weights"]) == 0.0  # one process: bitwise
     for r, out in enumerate(two):
@@ -232,8 +296,10 @@ def test_ep2_distill_equals_ep1_and_resumes(runs) -> None:
         dl = max(abs(x - y) for x, y in zip(o["loss"], d["loss"], strict=True))
         dn = max(abs(x - y) / y for x, y in zip(o["grad_norm"], d["grad_norm"], strict=True))
         dw = _worst(o["weights"], d["weights"])
-        print(f"rank {r}: EP=2 vs EP=1 distill max |dloss| = {dl:.2e}, max rel |dgrad_norm| = {dn:.2e}, "
-              f"max |dweight| = {dw:.2e}")
+        print(
+            f"rank {r}: EP=2 vs EP=1 distill max |dloss| = {dl:.2e}, max rel |dgrad_norm| = {dn:.2e}, "
+            f"max |dweight| = {dw:.2e}"
+        )
         assert dl < TOL and dn < TOL and dw < TOL_W
         assert o["world"] == {"dp": 2, "tp": 1, "pp": 1, "ep": 2}
         res = out["distill_resumed"]
@@ -256,8 +322,13 @@ def test_search_space_under_ep_keeps_multiples_of_ep_experts() -> None:
     def counts(extra: list[str]) -> set[int]:
         cfg = compose(["model=tiny_hybrid", "+target=tiny_hybrid_cpu", *extra])
         spec = spec_from_model_config(cfg.model)
-        return {o.num_experts for d in build_space(spec, stages.search_capabilities(cfg))
-                if d.kind == "moe_routed" for o in d.options if not o.removed}
+        return {
+            o.num_experts
+            for d in build_space(spec, stages.search_capabilities(cfg))
+            if d.kind == "moe_routed"
+            for o in d.options
+            if not o.removed
+        }
 
     assert 3 in counts([])
     assert counts(["cluster.ep=2"]) and all(n % 2 == 0 for n in counts(["cluster.ep=2"]))
@@ -289,8 +360,12 @@ def test_student_without_routed_experts_builds_under_ep2(megatron_tp1) -> None:
     from autocompress_nemo.models.hybrid.state_dict import random_hf_state_dict
 
     parent = conf_spec("tiny_hybrid")
-    spec = parent.replace(blocks=tuple(dataclasses.replace(b, num_experts=0, expert_ffn=0, top_k=0, shared_ffn=0)
-                                       if isinstance(b, MoeBlock) else b for b in parent.blocks))
+    spec = parent.replace(
+        blocks=tuple(
+            dataclasses.replace(b, num_experts=0, expert_ffn=0, top_k=0, shared_ffn=0) if isinstance(b, MoeBlock) else b
+            for b in parent.blocks
+        )
+    )
     hf_sd = random_hf_state_dict(spec, seed=2)
     ref = _no_expert_student(0, 1, hf_sd, spec.to_json())
     for logits in spawn(_no_expert_student, 2, hf_sd, spec.to_json()):

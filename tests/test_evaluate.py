@@ -86,7 +86,7 @@ def _write_tasks(tmp: Path) -> Path:
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {tmp / 'mc.jsonl'}
+    test: {tmp / "mc.jsonl"}
 test_split: test
 output_type: multiple_choice
 doc_to_text: "{{{{question}}}}"
@@ -101,7 +101,7 @@ metric_list:
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {tmp / 'text.jsonl'}
+    test: {tmp / "text.jsonl"}
 test_split: test
 output_type: loglikelihood_rolling
 doc_to_text: ""
@@ -117,8 +117,15 @@ def test_lm_eval_adapter_scores_local_tasks(model, tmp_path: Path, monkeypatch: 
     from autocompress_nemo.evaluate import run_lm_eval
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    out = run_lm_eval(model, _fwd(), ByteTokenizer(), ["acn_tiny_mc", "acn_tiny_text"],
-                      include_path=str(_write_tasks(tmp_path)), max_length=128, batch_size=4)
+    out = run_lm_eval(
+        model,
+        _fwd(),
+        ByteTokenizer(),
+        ["acn_tiny_mc", "acn_tiny_text"],
+        include_path=str(_write_tasks(tmp_path)),
+        max_length=128,
+        batch_size=4,
+    )
     res = out["results"]
 
     # multiple choice by hand: log p(" " + choice | question) summed over the choice's bytes
@@ -200,8 +207,9 @@ def test_engine_check_llama_cpp_against_budget(tmp_path: Path) -> None:
         def predict(self, spec):
             return {"decode_ms": 1.0, "prefill_ms": 2.0, "memory_bytes": 1e6, "estimated": False}
 
-    res = engine_check(student, target, engine=engine, parent_measured=parent_res["measured"],
-                       predictor=FakePredictor())
+    res = engine_check(
+        student, target, engine=engine, parent_measured=parent_res["measured"], predictor=FakePredictor()
+    )
     assert res["source"].startswith("measured in llama-cpp-python") and " on " in res["source"]
     (row,) = res["checks"]
     assert row["checked_as"] == "decode_ms"
@@ -223,8 +231,12 @@ def test_engine_check_roofline_is_labelled_estimated() -> None:
     target = compose(["target=b200_128k"]).target
     engine = RooflineEngine(_roofline_cfg(), target.hardware)
     spec = ArchSpec.llama(hidden=256, vocab=512, layers=2, heads=4, kv_groups=2, ffn=512, name="s")
-    res = engine_check(spec, target, engine=engine, parent_measured={"decode_ms": 10.0, "response_latency_ms": 1e4,
-                                                                      "memory_bytes": 1e12, "prefill_ms": 1e3})
+    res = engine_check(
+        spec,
+        target,
+        engine=engine,
+        parent_measured={"decode_ms": 10.0, "response_latency_ms": 1e4, "memory_bytes": 1e12, "prefill_ms": 1e3},
+    )
     assert res["source"].startswith("estimated, not measured")
     assert all(r["pass"] is not None for r in res["checks"])
 

@@ -40,7 +40,8 @@ def test_tiny_configs_build_with_counted_params(megatron_tp1, name):
     assert type(model).__name__ == "HybridModel" and len(model.decoder.layers) == len(spec.blocks)
     assert _n_params(model) == _counted(spec)
     assert sum(torch.Size(s).numel() for s in hf_shapes(spec).values()) == _counted(spec) + sum(
-        b.num_experts for b in spec.blocks if isinstance(b, MoeBlock) and spec.family == "nemotron_h")
+        b.num_experts for b in spec.blocks if isinstance(b, MoeBlock) and spec.family == "nemotron_h"
+    )
     sd = random_hf_state_dict(spec, seed=2)
     hf_to_megatron(spec, sd, model)
     back = megatron_to_hf(spec, model)

@@ -36,8 +36,12 @@ def test_heterogeneous_export_round_trip(megatron_tp1, tmp_path):
     assert cfg["hybrid_override_pattern"] == compact.pattern
     for b, bc in zip(compact.blocks, cfg["block_configs"], strict=True):
         if isinstance(b, MoeBlock):
-            assert (bc["n_routed_experts"], bc["moe_intermediate_size"], bc["num_experts_per_tok"],
-                    bc["moe_shared_expert_intermediate_size"]) == (b.num_experts, b.expert_ffn, b.top_k, b.shared_ffn)
+            assert (
+                bc["n_routed_experts"],
+                bc["moe_intermediate_size"],
+                bc["num_experts_per_tok"],
+                bc["moe_shared_expert_intermediate_size"],
+            ) == (b.num_experts, b.expert_ffn, b.top_k, b.shared_ffn)
         elif isinstance(b, MlpBlock):
             assert bc == {"block_type": "mlp", "intermediate_size": b.ffn}
         elif isinstance(b, MambaBlock):
@@ -61,8 +65,13 @@ def test_uniform_export_is_plain_nemotron_h(megatron_tp1, tmp_path):
     out = export_hf(spec, sd, tmp_path)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["NemotronHForCausalLM"] and "block_configs" not in cfg
-    assert (cfg["hybrid_override_pattern"], cfg["n_routed_experts"], cfg["moe_shared_expert_intermediate_size"],
-            cfg["mamba_num_heads"], cfg["intermediate_size"]) == ("M*EME-", 4, 64, 4, 128)
+    assert (
+        cfg["hybrid_override_pattern"],
+        cfg["n_routed_experts"],
+        cfg["moe_shared_expert_intermediate_size"],
+        cfg["mamba_num_heads"],
+        cfg["intermediate_size"],
+    ) == ("M*EME-", 4, 64, 4, 128)
     spec2, sd2, _ = load_hf(out, tokenizer=False)
     assert spec2.blocks == spec.blocks and all(torch.equal(sd2[k], sd[k]) for k in sd)
 

@@ -63,8 +63,10 @@ def test_sorted_reorder_keeps_transformers_nemotron_h(megatron_tp1, hf_torch_mam
     spec = conf_spec("tiny_hybrid") if name == "tiny_hybrid" else hetero_hybrid_spec()
     sd = random_hf_state_dict(spec, seed=7)
     perms = permutations_from_scores(spec, _score(spec, sd))
-    moved = {k: [g for g, t in getattr(perms, k).items() if not torch.equal(t, torch.arange(len(t)))]
-             for k in ("heads", "groups", "ffn", "shared_ffn", "mamba_heads", "experts")}
+    moved = {
+        k: [g for g, t in getattr(perms, k).items() if not torch.equal(t, torch.arange(len(t)))]
+        for k in ("heads", "groups", "ffn", "shared_ffn", "mamba_heads", "experts")
+    }
     assert moved["heads"] and moved["ffn"] and not torch.equal(perms.hidden, torch.arange(spec.hidden)), moved
     x = ids(spec, T=10, B=2, seed=4)
     with torch.no_grad():
@@ -79,8 +81,10 @@ def test_sorted_reorder_keeps_transformers_nemotron_h(megatron_tp1, hf_torch_mam
 def test_latent_moe_hidden_reorder_keeps_logits(megatron_tp1):
     """LatentMoE: router and latent projections move with the hidden channels, the experts do not."""
     base = conf_spec("tiny_hybrid")
-    spec = base.replace(blocks=tuple(MoeBlock(4, 48, 2, 64, 32, "relu2") if isinstance(b, MoeBlock) else b
-                                     for b in base.blocks), name="tiny_latent")
+    spec = base.replace(
+        blocks=tuple(MoeBlock(4, 48, 2, 64, 32, "relu2") if isinstance(b, MoeBlock) else b for b in base.blocks),
+        name="tiny_latent",
+    )
     sd = random_hf_state_dict(spec, seed=8)
     x = ids(spec)
     before = forward_logits(_model(spec, sd), x)
@@ -106,12 +110,24 @@ def test_scores_json_round_trip_and_option_importance(megatron_tp1):
     assert torch.equal(p_back.hidden, perms.hidden) and p_back.heads.keys() == perms.heads.keys()
     assert all(torch.equal(p_back.heads[g], perms.heads[g]) for g in perms.heads)
     old = {"tokens": 3, "blocks": [{"experts": None, "expert_ffn": None, "shared_ffn": None, "mamba_heads": [1.0]}]}
-    assert MoeMambaImportance.from_dict(old).blocks[0].heads is None and MoeMambaImportance.from_dict(old).hidden is None
+    assert (
+        MoeMambaImportance.from_dict(old).blocks[0].heads is None and MoeMambaImportance.from_dict(old).hidden is None
+    )
     assert MoeMambaPermutations.from_dict({"experts": {"2": [1, 0]}}).experts[2].tolist() == [1, 0]
 
-    caps = {"vary_query_heads": True, "vary_kv_groups": True, "vary_ffn": True, "remove_attention": True,
-            "remove_mlp": True, "vary_experts": True, "vary_expert_ffn": True, "vary_shared_ffn": True,
-            "vary_mamba_heads": True, "remove_mamba": True, "ffn_align": 16}
+    caps = {
+        "vary_query_heads": True,
+        "vary_kv_groups": True,
+        "vary_ffn": True,
+        "remove_attention": True,
+        "remove_mlp": True,
+        "vary_experts": True,
+        "vary_expert_ffn": True,
+        "vary_shared_ffn": True,
+        "vary_mamba_heads": True,
+        "remove_mamba": True,
+        "ffn_align": 16,
+    }
     decisions = build_space(spec, caps)
     s = sorted_scores(imp, perms)
     rows = option_importance(decisions, s, spec)
@@ -119,8 +135,17 @@ def test_scores_json_round_trip_and_option_importance(megatron_tp1):
     assert {"attention", "mlp", "mamba", "moe_routed", "moe_shared"} <= kinds
     for d, row in zip(decisions, rows, strict=True):
         b, sb = spec.blocks[d.block_index], s.blocks[d.block_index]
-        full = {"attention": sb.heads, "mlp": sb.ffn, "mamba": sb.mamba_heads, "moe_routed": sb.expert_ffn,
-                "moe_shared": sb.shared_ffn}[d.kind].sum().item()
+        full = (
+            {
+                "attention": sb.heads,
+                "mlp": sb.ffn,
+                "mamba": sb.mamba_heads,
+                "moe_routed": sb.expert_ffn,
+                "moe_shared": sb.shared_ffn,
+            }[d.kind]
+            .sum()
+            .item()
+        )
         assert row[-1] == pytest.approx(full)  # the parent option keeps every unit
         for o, v in zip(d.options, row, strict=True):
             if o.removed:
@@ -159,8 +184,9 @@ def _scores_on_rank(rank: int, world: int, hybrid_json: str, hybrid_sd: dict, x_
     out["dense_sp"] = collect_importance(dmodel, dspec, [x_BT % dspec.vocab], forward_logits, world > 1).to_dict()
     init_distributed(tp=1, ep=world)
     share = x_BT.shape[0] // world
-    out["ep"] = collect_moe_mamba_importance(_model(spec, hybrid_sd), spec, [x_BT[rank * share : (rank + 1) * share]],
-                                             forward_logits).to_dict()
+    out["ep"] = collect_moe_mamba_importance(
+        _model(spec, hybrid_sd), spec, [x_BT[rank * share : (rank + 1) * share]], forward_logits
+    ).to_dict()
     init_distributed(tp=1, ep=1) if world == 1 else None
     return out
 
@@ -194,4 +220,5 @@ def test_tp2_and_ep2_scores_equal_one_process(megatron_tp1):
             _close(ref[layout], got[layout], f"rank {r} {layout}")
     blocks = ref["tp"]["blocks"]
     assert ref["tp"]["hidden"] is not None and all(
-        (blocks[g]["heads"] is not None) == isinstance(b, AttentionBlock) for g, b in enumerate(spec.blocks))
+        (blocks[g]["heads"] is not None) == isinstance(b, AttentionBlock) for g, b in enumerate(spec.blocks)
+    )

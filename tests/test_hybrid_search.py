@@ -22,9 +22,21 @@ from autocompress_nemo.search.supernet import Supernet
 from tests.method_utils import ParamCost
 
 TOL = 2e-5
-ALL = {"vary_query_heads": True, "vary_kv_groups": True, "vary_ffn": True, "remove_attention": True,
-       "remove_mlp": True, "vary_experts": True, "vary_expert_ffn": True, "vary_shared_ffn": True,
-       "vary_top_k": True, "vary_mamba_heads": True, "remove_mamba": True, "remove_moe": True, "ffn_align": 16}
+ALL = {
+    "vary_query_heads": True,
+    "vary_kv_groups": True,
+    "vary_ffn": True,
+    "remove_attention": True,
+    "remove_mlp": True,
+    "vary_experts": True,
+    "vary_expert_ffn": True,
+    "vary_shared_ffn": True,
+    "vary_top_k": True,
+    "vary_mamba_heads": True,
+    "remove_mamba": True,
+    "remove_moe": True,
+    "ffn_align": 16,
+}
 
 
 def _model(spec, sd):
@@ -65,8 +77,10 @@ def test_hybrid_space_kinds_and_exact_masks(megatron_tp1):
         if trial == 0:  # a routed part with fewer experts and a smaller shared expert, Mamba to one group
             choices = [1 if d.kind in ("moe_routed", "moe_shared", "mamba") else len(d.options) - 1 for d in decisions]
         if trial == 1:  # routed experts of the first MoE block removed (its shared expert stays), a Mamba block removed
-            choices = [0 if d.kind == "mamba" or (d.kind == "moe_routed" and d.block_index == 2) else k
-                       for d, k in zip(decisions, choices, strict=True)]
+            choices = [
+                0 if d.kind == "mamba" or (d.kind == "moe_routed" and d.block_index == 2) else k
+                for d, k in zip(decisions, choices, strict=True)
+            ]
         child, err = _masked_vs_child(spec, sd, decisions, choices, x)
         print(f"trial {trial}: {child.pattern} {[b for b in child.blocks if b.kind == 'moe']} err={err:.2e}")
         assert err < TOL, (child, err)
@@ -84,8 +98,9 @@ def test_topk_and_expert_masks_softmax_moe(megatron_tp1):
     x = ids(spec, T=10, B=2)
     d0 = decisions[0]
     pb = spec.blocks[d0.block_index]
-    smaller_k = next(i for i, o in enumerate(d0.options) if o.num_experts and o.top_k < pb.top_k
-                     and o.num_experts < pb.num_experts)
+    smaller_k = next(
+        i for i, o in enumerate(d0.options) if o.num_experts and o.top_k < pb.top_k and o.num_experts < pb.num_experts
+    )
     choices = [smaller_k] + [len(d.options) - 2 for d in decisions[1:]]
     child, err = _masked_vs_child(spec, sd, decisions, choices, x)
     print(child.blocks, err)
@@ -115,16 +130,40 @@ def test_reorder_then_router_search_meets_params_budget(megatron_tp1):
     decisions = build_space(spec, caps)
     costs = ParamCost()
     budget = {"params": 0.8 * param_count(spec)}
-    cfg = SimpleNamespace(steps=40, router_lr=0.2, train_weights=False, weight_lr=0.0, tau_start=1.0, tau_end=0.2,
-                          kd_temperature=1.0, penalty_over=20.0, penalty_under=1.0, slack=0.05, checkpoint_every=0)
-    out = run_router_search(model, spec, decisions, costs, budget, lambda s: batches[s % 2], forward_logits, cfg,
-                            seed=0, log=lambda s: None, router_init="parent")
+    cfg = SimpleNamespace(
+        steps=40,
+        router_lr=0.2,
+        train_weights=False,
+        weight_lr=0.0,
+        tau_start=1.0,
+        tau_end=0.2,
+        kd_temperature=1.0,
+        penalty_over=20.0,
+        penalty_under=1.0,
+        slack=0.05,
+        checkpoint_every=0,
+    )
+    out = run_router_search(
+        model,
+        spec,
+        decisions,
+        costs,
+        budget,
+        lambda s: batches[s % 2],
+        forward_logits,
+        cfg,
+        seed=0,
+        log=lambda s: None,
+        router_init="parent",
+    )
     first, last = out.trajectory[0]["expected_params"], out.trajectory[-1]["expected_params"]
     print(f"expected params {first:.0f} -> {last:.0f}, budget {budget['params']:.0f}")
     assert first > budget["params"] * 1.05  # started well above the budget
     assert abs(last / budget["params"] - 1) < 0.1  # moved to it
-    imp_rows = [[float(costs.predict(apply_choices(spec, [d], [k]))["params"]) for k in range(len(d.options))]
-                for d in decisions]  # parameter-proportional importance
+    imp_rows = [
+        [float(costs.predict(apply_choices(spec, [d], [k]))["params"]) for k in range(len(d.options))]
+        for d in decisions
+    ]  # parameter-proportional importance
     choices, _ = repair(spec, decisions, out.choices, costs.predict, budget, imp_rows)
     child = apply_choices(spec, decisions, choices)
     assert costs.predict(child)["params"] <= budget["params"]

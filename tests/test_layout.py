@@ -19,8 +19,13 @@ from autocompress_nemo.plan.layout import (
 def hybrid() -> ArchSpec:
     """A small Nemotron-H-like model: 32 heads / 2 KV groups, 8 experts, Mamba 8 heads / 2 groups."""
     return ArchSpec.from_pattern(
-        "M*EM-EM*E", hidden=256, vocab=1024, attention=AttentionBlock(32, 2, 8), mlp=MlpBlock(512, "relu2"),
-        moe=MoeBlock(8, 128, 2, 256, 64, "relu2"), mamba=MambaBlock(8, 32, 16, 2),
+        "M*EM-EM*E",
+        hidden=256,
+        vocab=1024,
+        attention=AttentionBlock(32, 2, 8),
+        mlp=MlpBlock(512, "relu2"),
+        moe=MoeBlock(8, 128, 2, 256, 64, "relu2"),
+        mamba=MambaBlock(8, 32, 16, 2),
     )
 
 
@@ -43,8 +48,10 @@ def test_valid_layout_has_no_problems():
         # 2. ep=3: 8 routed experts do not split three ways
         (ParallelLayout("distill", 1, 6, ep=3), ["ep=3 does not divide moe num_experts=8"]),
         # 3. tp=4 divides the heads but not the 2 KV groups, nor the 2 Mamba groups
-        (ParallelLayout("search", 1, 8, tp=4), ["tp=4 does not divide attention num_kv_groups=2",
-                                                 "tp=4 does not divide mamba num_groups=2"]),
+        (
+            ParallelLayout("search", 1, 8, tp=4),
+            ["tp=4 does not divide attention num_kv_groups=2", "tp=4 does not divide mamba num_groups=2"],
+        ),
         # 4. cp=3 does not split the sequence into 2*cp load-balanced chunks
         (ParallelLayout("search", 1, 3, cp=3), ["cp=3: seq_len=1024 is not divisible by 2 x cp = 6"]),
         # 5. pp=16 stages for 9 blocks
@@ -79,9 +86,18 @@ def test_problems_are_grouped_per_rule():
 
 
 def test_layout_for_stage_applies_overrides():
-    cluster = {"nodes": 1, "gpus_per_node": 8, "tp": 1, "pp": 1, "cp": 1, "ep": 8, "etp": 0,
-               "sequence_parallel": False, "processes_per_node": 1,
-               "stage_layouts": {"distill": {"nodes": 2, "tp": 2, "sequence_parallel": True}}}
+    cluster = {
+        "nodes": 1,
+        "gpus_per_node": 8,
+        "tp": 1,
+        "pp": 1,
+        "cp": 1,
+        "ep": 8,
+        "etp": 0,
+        "sequence_parallel": False,
+        "processes_per_node": 1,
+        "stage_layouts": {"distill": {"nodes": 2, "tp": 2, "sequence_parallel": True}},
+    }
     d = layout_for_stage(cluster, "distill")
     assert (d.nodes, d.world, d.tp, d.etp, d.sp, d.ep) == (2, 16, 2, 2, True, 8)
     s = layout_for_stage(cluster, "search")

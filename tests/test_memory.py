@@ -52,8 +52,9 @@ def test_moe_block_weights() -> None:
 
 def test_hybrid_mamba_weights_and_state() -> None:
     m = MambaBlock(num_heads=4, head_dim=16, state_size=8, num_groups=1, conv_kernel=4)
-    spec = ArchSpec.from_pattern("M*-M", hidden=64, vocab=100, attention=AttentionBlock(4, 2, 16),
-                                 mlp=MlpBlock(128, "relu2"), mamba=m)
+    spec = ArchSpec.from_pattern(
+        "M*-M", hidden=64, vocab=100, attention=AttentionBlock(4, 2, 16), mlp=MlpBlock(128, "relu2"), mamba=m
+    )
     # in_proj 64*(2*64 + 2*8 + 4) = 9472; conv (64+16)*5 = 400; 3*4 = 12; gated norm 64;
     # out_proj 64*64 = 4096; norm 64 -> 14108; small (f32): 64 + 64 + 12 + 80 = 220
     assert mem.block_weight_bytes(m, 64, "bf16") == (14108 - 220) * 2 + 220 * 4

@@ -100,8 +100,19 @@ def test_router_moves_to_budget_and_extraction_meets_it() -> None:
     budget = {"params": 0.75 * param_count(spec)}
     assert check_budget_reachable(spec, decisions, cost, budget) is None
     batches = _batches(spec.vocab, 8, seed=11)
-    out = run_router_search(model, spec, decisions, cost, budget, lambda s: batches[s % len(batches)],
-                            forward_logits, _Cfg(), seed=0, log=lambda s: None, router_init="parent")
+    out = run_router_search(
+        model,
+        spec,
+        decisions,
+        cost,
+        budget,
+        lambda s: batches[s % len(batches)],
+        forward_logits,
+        _Cfg(),
+        seed=0,
+        log=lambda s: None,
+        router_init="parent",
+    )
     first, last = out.trajectory[0]["expected_params"], out.trajectory[-1]["expected_params"]
     assert first > 1.1 * budget["params"]  # started far above the budget
     assert abs(last / budget["params"] - 1) <= _Cfg.slack + 0.02, (first, last, budget)
@@ -164,8 +175,20 @@ def test_search_killed_midway_resumes_to_the_same_result(tmp_path) -> None:
             return batches[s % len(batches)]
 
         model = megatron_from_hf(spec, sorted_sd)
-        return run_router_search(model, spec, decisions, ParamCost(), budget, batch_at, forward_logits, Cfg(),
-                                 seed=0, checkpoint=ckpt, log=lambda s: None, router_init="parent")
+        return run_router_search(
+            model,
+            spec,
+            decisions,
+            ParamCost(),
+            budget,
+            batch_at,
+            forward_logits,
+            Cfg(),
+            seed=0,
+            checkpoint=ckpt,
+            log=lambda s: None,
+            router_init="parent",
+        )
 
     ref = run(None)
     ckpt = str(tmp_path / "router.pt")

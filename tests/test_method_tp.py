@@ -38,13 +38,27 @@ def _search_on_rank(rank: int, world: int) -> dict:
         tau_start, tau_end, penalty_over, penalty_under, slack = 2.0, 0.2, 20.0, 2.0, 0.05
         kd_temperature, checkpoint_every = 1.0, 0
 
-    out = run_router_search(smodel, spec, decisions, ParamCost(), {"params": 0.75 * param_count(spec)},
-                            lambda s: batches[s % 6], forward_logits, Cfg(), seed=3, log=lambda s: None,
-                            router_init="parent")
+    out = run_router_search(
+        smodel,
+        spec,
+        decisions,
+        ParamCost(),
+        {"params": 0.75 * param_count(spec)},
+        lambda s: batches[s % 6],
+        forward_logits,
+        Cfg(),
+        seed=3,
+        log=lambda s: None,
+        router_init="parent",
+    )
     return {
-        "ffn": [s.ffn for s in imp.layers], "heads": [s.heads for s in imp.layers],
-        "perm_ffn": perms.ffn, "perm_heads": perms.heads, "choices": out.choices,
-        "probs": out.probs, "kd": [r["kd"] for r in out.trajectory],
+        "ffn": [s.ffn for s in imp.layers],
+        "heads": [s.heads for s in imp.layers],
+        "perm_ffn": perms.ffn,
+        "perm_heads": perms.heads,
+        "choices": out.choices,
+        "probs": out.probs,
+        "kd": [r["kd"] for r in out.trajectory],
     }
 
 
@@ -56,8 +70,10 @@ def test_tp2_rank_and_search_equal_tp1() -> None:
     for r in two:
         for a, b in zip(one["ffn"] + one["heads"], r["ffn"] + r["heads"], strict=True):
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-9)
-        assert all(torch.equal(a, b) for a, b in zip(one["perm_ffn"] + one["perm_heads"],
-                                                     r["perm_ffn"] + r["perm_heads"], strict=True))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(one["perm_ffn"] + one["perm_heads"], r["perm_ffn"] + r["perm_heads"], strict=True)
+        )
         assert r["choices"] == one["choices"]
         for pa, pb in zip(one["probs"], r["probs"], strict=True):
             assert max(abs(x - y) for x, y in zip(pa, pb, strict=True)) < 1e-4

@@ -28,9 +28,21 @@ from tests.method_utils import CAPS, TINY, ParamCost
 
 # the torch_eager CPU engine's capabilities (conf/engine/torch_eager_cpu.yaml) but with attention
 # removal allowed, so that every block of tiny_hybrid is a removable unit
-ALL = {"vary_query_heads": True, "vary_kv_groups": True, "vary_ffn": True, "remove_attention": True,
-       "remove_mlp": True, "vary_experts": True, "vary_expert_ffn": True, "vary_shared_ffn": True,
-       "vary_top_k": True, "vary_mamba_heads": True, "remove_mamba": True, "remove_moe": True, "ffn_align": 16}
+ALL = {
+    "vary_query_heads": True,
+    "vary_kv_groups": True,
+    "vary_ffn": True,
+    "remove_attention": True,
+    "remove_mlp": True,
+    "vary_experts": True,
+    "vary_expert_ffn": True,
+    "vary_shared_ffn": True,
+    "vary_top_k": True,
+    "vary_mamba_heads": True,
+    "remove_mamba": True,
+    "remove_moe": True,
+    "ffn_align": 16,
+}
 ZEROED = 3  # the Mamba block made an identity by zeroing its output projection
 
 
@@ -72,8 +84,12 @@ def test_uniform_candidates_are_uniform_per_kind() -> None:
 def test_uniform_fraction_when_blocks_of_a_kind_differ() -> None:
     """Blocks of one kind with different parent widths: a common fraction, snapped down per block."""
     M, F = MambaBlock, MlpBlock
-    spec = ArchSpec(hidden=64, vocab=128, family="nemotron_h", blocks=(
-        M(4, 16, 16, 2), F(128, "relu2"), M(8, 16, 16, 4), F(64, "relu2")))
+    spec = ArchSpec(
+        hidden=64,
+        vocab=128,
+        family="nemotron_h",
+        blocks=(M(4, 16, 16, 2), F(128, "relu2"), M(8, 16, 16, 4), F(64, "relu2")),
+    )
     decisions = build_space(spec, {"vary_ffn": True, "vary_mamba_heads": True, "ffn_align": 16}, ffn_options=4)
     pairs = set()
     for ch in uniform_candidates(spec, decisions):
@@ -96,7 +112,9 @@ def _hybrid_model(spec: ArchSpec, sd: dict[str, torch.Tensor]) -> torch.nn.Modul
 def _zeroed_parent() -> tuple[ArchSpec, dict[str, torch.Tensor]]:
     spec = conf_spec("tiny_hybrid")
     sd = random_hf_state_dict(spec, seed=1)
-    sd[f"backbone.layers.{ZEROED}.mixer.out_proj.weight"] = torch.zeros_like(sd[f"backbone.layers.{ZEROED}.mixer.out_proj.weight"])
+    sd[f"backbone.layers.{ZEROED}.mixer.out_proj.weight"] = torch.zeros_like(
+        sd[f"backbone.layers.{ZEROED}.mixer.out_proj.weight"]
+    )
     return spec, sd
 
 
@@ -133,21 +151,47 @@ def test_minitron_pp_on_hybrid_removes_blocks_when_widths_cannot_meet_the_budget
     spec, sd = _zeroed_parent()
     decisions = build_space(spec, ALL, ffn_options=4)
     cost = BlockOverheadCost()
-    width_only = min(cost.predict(apply_choices(spec, decisions, ch))["decode_ms"]
-                     for ch in uniform_candidates(spec, decisions))
+    width_only = min(
+        cost.predict(apply_choices(spec, decisions, ch))["decode_ms"] for ch in uniform_candidates(spec, decisions)
+    )
     budget = {"decode_ms": 0.75 * cost.predict(spec)["decode_ms"]}
     assert width_only > budget["decode_ms"], "the test needs a budget no width-only candidate meets"
-    cfg = SimpleNamespace(minitron_candidates=2, minitron_score_batches=1, minitron_retrain_steps=1,
-                          weight_lr=1e-5, kd_temperature=1.0, minitron_depth=False)
+    cfg = SimpleNamespace(
+        minitron_candidates=2,
+        minitron_score_batches=1,
+        minitron_retrain_steps=1,
+        weight_lr=1e-5,
+        kd_temperature=1.0,
+        minitron_depth=False,
+    )
     model = _hybrid_model(spec, sd)
     with pytest.raises(ValueError, match="every block kept, as the paper's baseline"):  # the paper's Minitron++
-        run_minitron_pp(model, spec, decisions, cost, budget, lambda step: ids(spec, T=16, B=2, seed=step),
-                        forward_logits, cfg, log=lambda s: None, fresh_model=lambda: _hybrid_model(spec, sd))
+        run_minitron_pp(
+            model,
+            spec,
+            decisions,
+            cost,
+            budget,
+            lambda step: ids(spec, T=16, B=2, seed=step),
+            forward_logits,
+            cfg,
+            log=lambda s: None,
+            fresh_model=lambda: _hybrid_model(spec, sd),
+        )
     cfg.minitron_depth = True  # the extension: Minitron's depth pruning
     logs: list[str] = []
-    out = run_minitron_pp(_hybrid_model(spec, sd), spec, decisions, cost, budget,
-                          lambda step: ids(spec, T=16, B=2, seed=step), forward_logits, cfg,
-                          log=logs.append, fresh_model=lambda: _hybrid_model(spec, sd))
+    out = run_minitron_pp(
+        _hybrid_model(spec, sd),
+        spec,
+        decisions,
+        cost,
+        budget,
+        lambda step: ids(spec, T=16, B=2, seed=step),
+        forward_logits,
+        cfg,
+        log=logs.append,
+        fresh_model=lambda: _hybrid_model(spec, sd),
+    )
     print("\n".join(logs))
     child = apply_choices(spec, decisions, out.choices)
     assert cost.predict(child)["decode_ms"] <= budget["decode_ms"]

@@ -55,13 +55,16 @@ def test_sorted_reorder_keeps_logits_nemotron_h(megatron_tp1):
     imp = _score(spec, sd)
     assert imp.tokens == 64
     perms = permutations_from_scores(spec, imp)
-    moe, mamba, attn, mlp = ([g for g, b in enumerate(spec.blocks) if isinstance(b, t)]
-                             for t in (MoeBlock, MambaBlock, AttentionBlock, MlpBlock))
+    moe, mamba, attn, mlp = (
+        [g for g, b in enumerate(spec.blocks) if isinstance(b, t)]
+        for t in (MoeBlock, MambaBlock, AttentionBlock, MlpBlock)
+    )
     assert set(perms.experts) == set(perms.shared_ffn) == set(moe) and set(perms.mamba_heads) == set(mamba)
     assert set(perms.heads) == set(perms.groups) == set(attn) and set(perms.ffn) == set(mlp) and attn and mlp
     for kind in ("experts", "shared_ffn", "mamba_heads", "heads", "ffn"):
         assert any(not torch.equal(t, torch.arange(len(t))) for t in getattr(perms, kind).values()), (
-            f"every {kind} permutation is the identity: the invariance check would be vacuous")
+            f"every {kind} permutation is the identity: the invariance check would be vacuous"
+        )
     assert perms.hidden is not None and not torch.equal(perms.hidden, torch.arange(spec.hidden))
     _, after = _logits(spec, apply_moe_mamba_permutations(spec, sd, perms), x)
     err = (after - before).abs().max().item()
@@ -72,7 +75,8 @@ def test_sorted_reorder_keeps_logits_nemotron_h(megatron_tp1):
         assert _descending(s.blocks[g].experts) and _descending(s.blocks[g].shared_ffn)
         assert all(_descending(row) for row in s.blocks[g].expert_ffn)
     for g, field, n_groups in [(g, "mamba_heads", spec.blocks[g].num_groups) for g in mamba] + [
-            (g, "heads", spec.blocks[g].num_kv_groups) for g in attn]:
+        (g, "heads", spec.blocks[g].num_kv_groups) for g in attn
+    ]:
         per_group = getattr(s.blocks[g], field).view(n_groups, -1)
         assert _descending(per_group.sum(1)) and all(_descending(row) for row in per_group)
     assert all(_descending(s.blocks[g].ffn) for g in mlp) and _descending(s.hidden)

@@ -25,8 +25,10 @@ from autocompress_nemo.arch.spec import MoeBlock
 from autocompress_nemo.models.builder import build_model, forward_logits
 from autocompress_nemo.models.nemotron_h import export_hf, hf_to_megatron, random_hf_state_dict
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is None,
-                                reason="Mamba blocks need mamba-ssm (install: models/hybrid/builder.py MAMBA_INSTALL)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("mamba_ssm") is None,
+    reason="Mamba blocks need mamba-ssm (install: models/hybrid/builder.py MAMBA_INSTALL)",
+)
 transformers = pytest.importorskip("transformers")
 TOL = 1e-4
 
@@ -48,7 +50,8 @@ def _parity(spec, tmp_path, hf_torch_mamba) -> float:
     ours = forward_logits(model, x)
     export_hf(spec, sd, tmp_path)
     ref_model = hf_torch_mamba.NemotronHForCausalLM.from_pretrained(
-        tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+        tmp_path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     with torch.no_grad():
         ref = ref_model(x).logits.float()
     assert ref.abs().max() > 0.5  # a real signal, not zeros
@@ -67,8 +70,9 @@ def test_latent_moe_matches_transformers(megatron_tp1, tmp_path, hf_torch_mamba)
     """LatentMoE (Nemotron 3 Super): routed experts in a 32-wide latent space, shared expert full width."""
     base = conf_spec("tiny_hybrid")
     moe = next(b for b in base.blocks if isinstance(b, MoeBlock))
-    spec = base.replace(blocks=tuple(MoeBlock(4, 48, 2, 64, 32, "relu2") if b == moe else b for b in base.blocks),
-                        name="tiny_latent")
+    spec = base.replace(
+        blocks=tuple(MoeBlock(4, 48, 2, 64, 32, "relu2") if b == moe else b for b in base.blocks), name="tiny_latent"
+    )
     err = _parity(spec, tmp_path, hf_torch_mamba)
     print(f"tiny LatentMoE vs transformers: max |dlogits| = {err:.2e}")
     assert err < TOL

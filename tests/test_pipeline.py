@@ -9,9 +9,16 @@ import pytest
 
 from autocompress_nemo.config.entry import compose
 
-TINY = ["model=tiny_llama", "+target=tiny_cpu", "engine@target.engine=roofline",
-        "target.hardware.peak_tflops=0.2", "target.hardware.mem_bandwidth_gbs=20", "search=quick",
-        "search.steps=4", "stages=[profile,rank,search,extract]"]
+TINY = [
+    "model=tiny_llama",
+    "+target=tiny_cpu",
+    "engine@target.engine=roofline",
+    "target.hardware.peak_tflops=0.2",
+    "target.hardware.mem_bandwidth_gbs=20",
+    "search=quick",
+    "search.steps=4",
+    "stages=[profile,rank,search,extract]",
+]
 
 
 def _run(tmp_path, capsys, extra=()):
@@ -60,9 +67,17 @@ def test_changed_config_reruns_downstream_only(tmp_path, capsys) -> None:
 def test_impossible_budget_stops_before_training(tmp_path, capsys) -> None:
     from autocompress_nemo.search.__main__ import run_pipeline
 
-    cfg = compose([*TINY, f"run_dir={tmp_path}/run", "budget@target.budget=decode_0.6x",
-                   "target.budget.constraints.0.value=0.0001"])
-    with pytest.raises(ValueError, match=r"infeasible budget: the smallest architecture in the search space costs decode_ms="):
+    cfg = compose(
+        [
+            *TINY,
+            f"run_dir={tmp_path}/run",
+            "budget@target.budget=decode_0.6x",
+            "target.budget.constraints.0.value=0.0001",
+        ]
+    )
+    with pytest.raises(
+        ValueError, match=r"infeasible budget: the smallest architecture in the search space costs decode_ms="
+    ):
         run_pipeline(cfg)
     assert not (tmp_path / "run" / "search_autocompress").exists()
     assert not (tmp_path / "run" / "search_autocompress.ckpt" / "router.pt").exists()

@@ -16,9 +16,18 @@ def test_tiny_pipeline_end_to_end_in_llama_cpp(tmp_path, capsys) -> None:
     from autocompress_nemo.config.entry import compose
     from autocompress_nemo.search.__main__ import run_pipeline
 
-    cfg = compose(["model=tiny_llama", "+target=tiny_cpu", "search=quick", "baseline=true",
-                   f"run_dir={tmp_path}/run", "evaluate.lm_eval_items=16", "evaluate.heldout_batches=2",
-                   "search.minitron_retrain_steps=2"])
+    cfg = compose(
+        [
+            "model=tiny_llama",
+            "+target=tiny_cpu",
+            "search=quick",
+            "baseline=true",
+            f"run_dir={tmp_path}/run",
+            "evaluate.lm_eval_items=16",
+            "evaluate.heldout_batches=2",
+            "search.minitron_retrain_steps=2",
+        ]
+    )
     out = run_pipeline(cfg)
     run = tmp_path / "run"
     ev = json.loads((run / "evaluate" / "evaluation.json").read_text())
@@ -34,7 +43,9 @@ def test_tiny_pipeline_end_to_end_in_llama_cpp(tmp_path, capsys) -> None:
         assert verified[-1]["pass"] or len(verified) == 3  # passes, or every repair round (verify_rounds=2) was used
     report = (run / "report.md").read_text()
     assert "## Budget compliance" in report and "measured in llama_cpp" in report
-    version = json.loads((run / "profile" / "cost_table" / "cost_table.json").read_text())["provenance"]["engine_version"]
+    version = json.loads((run / "profile" / "cost_table" / "cost_table.json").read_text())["provenance"][
+        "engine_version"
+    ]
     assert f"- engine: llama_cpp {version} (f16)" in report  # the version the table measured, not "?"
     assert out["report"].endswith("report.md")
     ggufs = list((run / "export_autocompress").glob("*.gguf"))

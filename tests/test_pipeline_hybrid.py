@@ -11,9 +11,14 @@ import json
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.engine,
-              pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is None,
-                                 reason="Mamba blocks need mamba-ssm (models/hybrid/builder.py MAMBA_INSTALL)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.engine,
+    pytest.mark.skipif(
+        importlib.util.find_spec("mamba_ssm") is None,
+        reason="Mamba blocks need mamba-ssm (models/hybrid/builder.py MAMBA_INSTALL)",
+    ),
+]
 pytest.importorskip("transformers.models.nemotron_h", reason="transformers without NemotronH")
 
 
@@ -21,10 +26,22 @@ def test_tiny_hybrid_pipeline_end_to_end(tmp_path) -> None:
     from autocompress_nemo.config.entry import compose
     from autocompress_nemo.search.__main__ import run_pipeline
 
-    cfg = compose(["model=tiny_hybrid", "+target=tiny_hybrid_cpu", "search=quick", "baseline=false",
-                   f"run_dir={tmp_path}/run", "search.steps=6", "search.calib_sequences=4", "distill.tokens=1024",
-                   "evaluate.lm_eval_items=8", "evaluate.heldout_batches=1",
-                   "target.engine.settings.decode_steps=16", "target.engine.repeats=2"])
+    cfg = compose(
+        [
+            "model=tiny_hybrid",
+            "+target=tiny_hybrid_cpu",
+            "search=quick",
+            "baseline=false",
+            f"run_dir={tmp_path}/run",
+            "search.steps=6",
+            "search.calib_sequences=4",
+            "distill.tokens=1024",
+            "evaluate.lm_eval_items=8",
+            "evaluate.heldout_batches=1",
+            "target.engine.settings.decode_steps=16",
+            "target.engine.repeats=2",
+        ]
+    )
     out = run_pipeline(cfg)
     run = tmp_path / "run"
     table = json.loads((run / "profile" / "cost_table" / "cost_table.json").read_text())

@@ -21,44 +21,95 @@ ESTIMATED = "estimated, not measured"
 
 
 def _costs(scale: float, source: str) -> dict:
-    return {"prefill_ms": 10 * scale, "decode_ms": 2 * scale, "response_latency_ms": 10 * scale + 64 * 2 * scale,
-            "throughput_tps": 500 / scale, "memory_bytes": 3e6 * scale, "source": source}
+    return {
+        "prefill_ms": 10 * scale,
+        "decode_ms": 2 * scale,
+        "response_latency_ms": 10 * scale + 64 * 2 * scale,
+        "throughput_tps": 500 / scale,
+        "memory_bytes": 3e6 * scale,
+        "source": source,
+    }
 
 
 def _engine_check(scale: float, budget: float) -> dict:
     meas = _costs(scale, "")
     meas.pop("source")
-    return {"source": MEASURED, "measured": meas, "pass": meas["decode_ms"] <= budget,
-            "checks": [{"metric": "decode_ms", "value": "0.6x", "checked_as": "decode_ms", "budget": budget,
-                        "measured": meas["decode_ms"], "predicted": 1.9 * scale,
-                        "pass": meas["decode_ms"] <= budget}]}
+    return {
+        "source": MEASURED,
+        "measured": meas,
+        "pass": meas["decode_ms"] <= budget,
+        "checks": [
+            {
+                "metric": "decode_ms",
+                "value": "0.6x",
+                "checked_as": "decode_ms",
+                "budget": budget,
+                "measured": meas["decode_ms"],
+                "predicted": 1.9 * scale,
+                "pass": meas["decode_ms"] <= budget,
+            }
+        ],
+    }
 
 
 def _results(baseline: bool = True, trajectory: bool = True) -> dict:
     budget = 0.6 * 2.0
     models = {
-        "parent": {"arch": PARENT.to_dict(), "predicted": _costs(1.0, ESTIMATED), "measured": _costs(1.0, MEASURED),
-                   "accuracy": {"perplexity": 12.5, "perplexity_tokens": 4096, "heldout": "stdlib held-out files",
-                                "lm_eval": {"tiny_mc": {"acc,none": 0.6, "acc_stderr,none": 0.1}}}},
-        "autocompress": {"arch": AC.to_dict(), "predicted": _costs(0.55, ESTIMATED),
-                         "engine_check": _engine_check(0.58, budget), "recovery_tokens": 200_000,
-                         "accuracy": {"perplexity": 15.0, "lm_eval": {"tiny_mc": {"acc,none": 0.55}}}},
+        "parent": {
+            "arch": PARENT.to_dict(),
+            "predicted": _costs(1.0, ESTIMATED),
+            "measured": _costs(1.0, MEASURED),
+            "accuracy": {
+                "perplexity": 12.5,
+                "perplexity_tokens": 4096,
+                "heldout": "stdlib held-out files",
+                "lm_eval": {"tiny_mc": {"acc,none": 0.6, "acc_stderr,none": 0.1}},
+            },
+        },
+        "autocompress": {
+            "arch": AC.to_dict(),
+            "predicted": _costs(0.55, ESTIMATED),
+            "engine_check": _engine_check(0.58, budget),
+            "recovery_tokens": 200_000,
+            "accuracy": {"perplexity": 15.0, "lm_eval": {"tiny_mc": {"acc,none": 0.55}}},
+        },
     }
     if baseline:
-        models["minitron_pp"] = {"arch": MPP.to_dict(), "predicted": _costs(0.57, ESTIMATED),
-                                 "engine_check": _engine_check(0.62, budget), "recovery_tokens": 200_000,
-                                 "accuracy": {"perplexity": 16.0, "lm_eval": {"tiny_mc": {"acc,none": 0.5}}}}
-    traj = [{"step": s, "tau": 2.0 - s / 25, "kd": 1.0 / (1 + s), "penalty": 0.1 * (s < 20), "entropy": 3.0 - s / 20,
-             "expected_decode_ms": 2.0 - s / 50, "budget_decode_ms": budget} for s in range(40)]
+        models["minitron_pp"] = {
+            "arch": MPP.to_dict(),
+            "predicted": _costs(0.57, ESTIMATED),
+            "engine_check": _engine_check(0.62, budget),
+            "recovery_tokens": 200_000,
+            "accuracy": {"perplexity": 16.0, "lm_eval": {"tiny_mc": {"acc,none": 0.5}}},
+        }
+    traj = [
+        {
+            "step": s,
+            "tau": 2.0 - s / 25,
+            "kd": 1.0 / (1 + s),
+            "penalty": 0.1 * (s < 20),
+            "entropy": 3.0 - s / 20,
+            "expected_decode_ms": 2.0 - s / 50,
+            "budget_decode_ms": budget,
+        }
+        for s in range(40)
+    ]
     return {
         "run": {"name": "tiny_cpu__tiny", "command": "python -m autocompress_nemo.search target=tiny_cpu"},
-        "target": {"name": "tiny_cpu", "description": "test target", "hardware": {"device": "x86-64 CPU, 2 cores"},
-                   "engine": {"name": "llama_cpp", "version": "llama-cpp-python 0.3.36", "dtype": "f16"},
-                   "workload": {"batch": 1, "input_len": 32, "output_len": 8, "context_len": 128},
-                   "budgets": [{"metric": "decode_ms", "value": "0.6x", "absolute": budget}]},
+        "target": {
+            "name": "tiny_cpu",
+            "description": "test target",
+            "hardware": {"device": "x86-64 CPU, 2 cores"},
+            "engine": {"name": "llama_cpp", "version": "llama-cpp-python 0.3.36", "dtype": "f16"},
+            "workload": {"batch": 1, "input_len": 32, "output_len": 8, "context_len": 128},
+            "budgets": [{"metric": "decode_ms", "value": "0.6x", "absolute": budget}],
+        },
         "models": models,
-        "cost_model_validation": {"errors": {"decode_ms": {"mape": 2.1, "max_ape": 3.0, "bias": -0.5, "n": 8}},
-                                  "source": MEASURED, "n_models": 8},
+        "cost_model_validation": {
+            "errors": {"decode_ms": {"mape": 2.1, "max_ape": 3.0, "bias": -0.5, "n": 8}},
+            "source": MEASURED,
+            "n_models": 8,
+        },
         "tokens": {"search": 51_200, "minitron_scoring": 8_192, "recovery": 200_000},
         "wall_time_s": {"profile": 30.0, "search": 120.5, "distill": 300.0},
         "search_trajectory": traj if trajectory else [],
@@ -119,34 +170,95 @@ def test_report_needs_a_model(tmp_path: Path) -> None:
 def test_report_reads_the_pipeline_layout(tmp_path: Path) -> None:
     """``stages.collect_results`` output (its own key names) is mapped onto the report schema."""
     label = "llama_cpp llama-cpp-python 0.3.36 on x86-64 CPU, 2 cores"
-    meas = {"prefill_ms": 5.0, "decode_ms": 1.1, "response_latency_ms": 75.4, "throughput_tps": 909.0,
-            "memory_bytes": 2e6}
+    meas = {
+        "prefill_ms": 5.0,
+        "decode_ms": 1.1,
+        "response_latency_ms": 75.4,
+        "throughput_tps": 909.0,
+        "memory_bytes": 2e6,
+    }
 
     def model(spec: ArchSpec, ppl: float, ok: bool) -> dict:
-        return {"spec": spec.to_dict(), "params": param_count(spec), "accuracy": {"heldout_ppl": ppl,
-                "heldout_tokens": 2048, "lm_eval": {"stdlib_next_line": {"acc,none": 0.4}}},
-                "predicted": dict(meas), "measured": dict(meas), "measured_memory": {"weights": 1e6, "kv": 1e6},
-                "measured_by": label, "budget_check": {"decode_ms": {"budget": 1.2, "measured": 1.1,
-                                                                      "predicted": 1.0, "pass": ok}}}
+        return {
+            "spec": spec.to_dict(),
+            "params": param_count(spec),
+            "accuracy": {
+                "heldout_ppl": ppl,
+                "heldout_tokens": 2048,
+                "lm_eval": {"stdlib_next_line": {"acc,none": 0.4}},
+            },
+            "predicted": dict(meas),
+            "measured": dict(meas),
+            "measured_memory": {"weights": 1e6, "kv": 1e6},
+            "measured_by": label,
+            "budget_check": {"decode_ms": {"budget": 1.2, "measured": 1.1, "predicted": 1.0, "pass": ok}},
+        }
 
-    traj = [{"step": s, "tau": 1.0, "kd": 0.5, "penalty": 0.0, "entropy": 1.0, "expected_decode_ms": 1.3,
-             "budget_decode_ms": 1.2} for s in range(5)]
+    traj = [
+        {
+            "step": s,
+            "tau": 1.0,
+            "kd": 0.5,
+            "penalty": 0.0,
+            "entropy": 1.0,
+            "expected_decode_ms": 1.3,
+            "budget_decode_ms": 1.2,
+        }
+        for s in range(5)
+    ]
     results = {
-        "target": {"name": "cpu_chat", "description": "d", "engine": "llama_cpp", "hardware": "cpu_2core",
-                   "workload": {"batch": 1, "input_len": 256, "output_len": 64, "context_len": 1024}},
-        "budgets": {"decode_ms": 1.2}, "budget_reference": "0.6x the parent measured in validation",
-        "models": {"parent": model(PARENT, 10.0, False), "autocompress": model(AC, 12.0, True),
-                   "minitron_pp": model(MPP, 13.0, True)},
-        "methods": {"autocompress": {"trajectory": traj, "selection_tokens": 1000, "recovery_tokens": 5000,
-                                     "arch": {"verified_in_engine": [
-                                         {"round": 0, "measured": {"decode_ms": 1.31}, "predicted": {"decode_ms": 1.19},
-                                          "predicted_target": {"decode_ms": 1.2}, "pass": False},
-                                         {"round": 1, "measured": {"decode_ms": 1.1}, "predicted": {"decode_ms": 1.0},
-                                          "predicted_target": {"decode_ms": 1.079}, "pass": True}]}},
-                    "minitron_pp": {"trajectory": [], "selection_tokens": 800, "recovery_tokens": 5000,
-                                    "arch": {"minitron": {"variant": "width only, every layer kept"}}}},
-        "validation": {"errors": {"decode_ms": {"mape": 1.0, "max_ape": 2.0, "bias": 0.1, "n": 6}},
-                       "label": "measured", "estimated": False, "engine": "llama_cpp", "models": 6},
+        "target": {
+            "name": "cpu_chat",
+            "description": "d",
+            "engine": "llama_cpp",
+            "hardware": "cpu_2core",
+            "workload": {"batch": 1, "input_len": 256, "output_len": 64, "context_len": 1024},
+        },
+        "budgets": {"decode_ms": 1.2},
+        "budget_reference": "0.6x the parent measured in validation",
+        "models": {
+            "parent": model(PARENT, 10.0, False),
+            "autocompress": model(AC, 12.0, True),
+            "minitron_pp": model(MPP, 13.0, True),
+        },
+        "methods": {
+            "autocompress": {
+                "trajectory": traj,
+                "selection_tokens": 1000,
+                "recovery_tokens": 5000,
+                "arch": {
+                    "verified_in_engine": [
+                        {
+                            "round": 0,
+                            "measured": {"decode_ms": 1.31},
+                            "predicted": {"decode_ms": 1.19},
+                            "predicted_target": {"decode_ms": 1.2},
+                            "pass": False,
+                        },
+                        {
+                            "round": 1,
+                            "measured": {"decode_ms": 1.1},
+                            "predicted": {"decode_ms": 1.0},
+                            "predicted_target": {"decode_ms": 1.079},
+                            "pass": True,
+                        },
+                    ]
+                },
+            },
+            "minitron_pp": {
+                "trajectory": [],
+                "selection_tokens": 800,
+                "recovery_tokens": 5000,
+                "arch": {"minitron": {"variant": "width only, every layer kept"}},
+            },
+        },
+        "validation": {
+            "errors": {"decode_ms": {"mape": 1.0, "max_ape": 2.0, "bias": 0.1, "n": 6}},
+            "label": "measured",
+            "estimated": False,
+            "engine": "llama_cpp",
+            "models": 6,
+        },
         "stages_wall_s": {"profile": 10.0, "distill_autocompress": 50.0, "rank": None},
     }
     paths = write_report(tmp_path, results)

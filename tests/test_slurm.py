@@ -20,8 +20,14 @@ from launchers.render import LaunchError, job_for, local_command, render_sbatch
 
 CONF = os.path.join(os.path.dirname(autocompress_nemo.__file__), "conf")
 IMAGE = "/images/autocompress-nemo.sqsh"
-BASE = ["+target=b200_128k", "model=nemotron_super", "cluster=slurm_2x8", f"cluster.container_image={IMAGE}",
-        "search.batch_size=16", "distill.batch_size=16"]
+BASE = [
+    "+target=b200_128k",
+    "model=nemotron_super",
+    "cluster=slurm_2x8",
+    f"cluster.container_image={IMAGE}",
+    "search.batch_size=16",
+    "distill.batch_size=16",
+]
 SHELLCHECK = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
 
 
@@ -98,13 +104,22 @@ def test_cluster_changes_where_not_what(cfg, tmp_path):
     local_cfg = compose_run([*BASE[:2], "cluster=local", f"run_dir={tmp_path}"])
     local = local_command(local_cfg, "search", BASE)
     slurm = job_for(cfg, ["search"], BASE).steps[0]
-    assert local[-len(slurm.argv):] == slurm.argv
+    assert local[-len(slurm.argv) :] == slurm.argv
     assert local[1:3] == ["-m", "autocompress_nemo.search"]
 
 
 def test_local_torchrun_for_several_processes(tmp_path):
-    c = compose_run(["model=tiny_moe", "+target=tiny_cpu", "cluster=local", "cluster.processes_per_node=2",
-                     "cluster.ep=2", "search.batch_size=4", f"run_dir={tmp_path}"])
+    c = compose_run(
+        [
+            "model=tiny_moe",
+            "+target=tiny_cpu",
+            "cluster=local",
+            "cluster.processes_per_node=2",
+            "cluster.ep=2",
+            "search.batch_size=4",
+            f"run_dir={tmp_path}",
+        ]
+    )
     cmd = local_command(c, "search", ["cluster.processes_per_node=2"])
     assert cmd[:4] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2"]
     assert cmd[4:7] == ["-m", "autocompress_nemo.search", "stages=[search]"]
@@ -160,8 +175,9 @@ def test_launcher_submits_through_sbatch(cfg, tmp_path, monkeypatch):
 
 def test_chain_submits_stages_after_each_other(cfg, tmp_path, monkeypatch):
     log = fake_sbatch(tmp_path, monkeypatch)
-    ids = launch_mod.launch(cfg, BASE, stage="pipeline", chain=True, render_only=False, backend="sbatch",
-                            out_dir=tmp_path / "scripts")
+    ids = launch_mod.launch(
+        cfg, BASE, stage="pipeline", chain=True, render_only=False, backend="sbatch", out_dir=tmp_path / "scripts"
+    )
     assert ids == [f"424{i}" for i in range(1, len(cfg.stages) + 1)]
     args = [line for line in log.read_text().splitlines() if line.startswith("ARGS")]
     assert "--dependency" not in args[0]
@@ -170,8 +186,9 @@ def test_chain_submits_stages_after_each_other(cfg, tmp_path, monkeypatch):
 
 def test_render_only_submits_nothing(cfg, tmp_path, monkeypatch):
     log = fake_sbatch(tmp_path, monkeypatch)
-    launch_mod.launch(cfg, BASE, stage="distill", chain=False, render_only=True, backend="sbatch",
-                      out_dir=tmp_path / "scripts")
+    launch_mod.launch(
+        cfg, BASE, stage="distill", chain=False, render_only=True, backend="sbatch", out_dir=tmp_path / "scripts"
+    )
     assert (tmp_path / "scripts" / "distill.sbatch").is_file()
     assert not log.exists()
 
@@ -179,8 +196,9 @@ def test_render_only_submits_nothing(cfg, tmp_path, monkeypatch):
 def test_submitit_backend_submits_same_step(cfg, tmp_path, monkeypatch):
     pytest.importorskip("submitit")
     log = fake_sbatch(tmp_path, monkeypatch)
-    ids = launch_mod.launch(cfg, BASE, stage="search", chain=False, render_only=False, backend="submitit",
-                            out_dir=tmp_path / "scripts")
+    ids = launch_mod.launch(
+        cfg, BASE, stage="search", chain=False, render_only=False, backend="submitit", out_dir=tmp_path / "scripts"
+    )
     assert ids == ["4241"]
     text = log.read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=8" in text

@@ -46,6 +46,7 @@ def test_lm_eval_scores_an_oracle(tmp_path) -> None:
         def generate_until(self, requests, disable_tqdm=False):
             raise AssertionError("not used")
 
-    res = lm_eval.simple_evaluate(model=Oracle(), tasks=[TASK], task_manager=TaskManager(include_path=str(d)),
-                                  bootstrap_iters=0)
+    res = lm_eval.simple_evaluate(
+        model=Oracle(), tasks=[TASK], task_manager=TaskManager(include_path=str(d)), bootstrap_iters=0
+    )
     assert res["results"][TASK]["acc,none"] == 1.0

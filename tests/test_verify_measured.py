@@ -30,8 +30,7 @@ class SlowerEngine:
 
     def measure_many(self, specs, wl):  # noqa: ANN001, ANN201
         SlowerEngine.measured += len(specs)
-        return [SimpleNamespace(prefill_ms=1.0, decode_ms=1.08 * param_count(s) / 1e4, memory_bytes=0.0)
-                for s in specs]
+        return [SimpleNamespace(prefill_ms=1.0, decode_ms=1.08 * param_count(s) / 1e4, memory_bytes=0.0) for s in specs]
 
 
 def _ctx(rounds: int) -> SimpleNamespace:
@@ -50,8 +49,9 @@ def test_over_budget_measurement_is_repaired_until_it_passes(tmp_path, monkeypat
     budget = {"decode_ms": 0.7 * cost.predict(spec)["decode_ms"]}
     start, _ = repair(spec, decisions, [d.parent_option for d in decisions], cost.predict, budget, imps)
     child = apply_choices(spec, decisions, start)
-    assert cost.predict(child)["decode_ms"] <= budget["decode_ms"] < 1.08 * cost.predict(child)["decode_ms"], \
+    assert cost.predict(child)["decode_ms"] <= budget["decode_ms"] < 1.08 * cost.predict(child)["decode_ms"], (
         "the test needs a child the table calls feasible and the engine measures over budget"
+    )
     final, history = stages.verify_measured(_ctx(2), tmp_path, spec, decisions, start, cost, budget, imps)
     assert history[0]["pass"] is False and history[-1]["pass"] is True
     assert history[-1]["measured"]["decode_ms"] <= budget["decode_ms"]
@@ -67,12 +67,15 @@ def test_off_or_estimated_engine_changes_nothing(tmp_path, monkeypatch) -> None:
     choices = [d.parent_option for d in decisions]
     monkeypatch.setattr(engines, "get_engine", lambda target, workdir=None: SlowerEngine())
     SlowerEngine.measured = 0
-    assert stages.verify_measured(_ctx(0), tmp_path, spec, decisions, choices, TableCost(), {"decode_ms": 1.0},
-                                  []) == (choices, [])
+    assert stages.verify_measured(_ctx(0), tmp_path, spec, decisions, choices, TableCost(), {"decode_ms": 1.0}, []) == (
+        choices,
+        [],
+    )
     estimated = SlowerEngine()
     estimated.estimated = True
     monkeypatch.setattr(engines, "get_engine", lambda target, workdir=None: estimated)
-    assert stages.verify_measured(_ctx(2), tmp_path, spec, decisions, choices, TableCost(), {"decode_ms": 1.0},
-                                  []) == (choices, [])
+    assert stages.verify_measured(_ctx(2), tmp_path, spec, decisions, choices, TableCost(), {"decode_ms": 1.0}, []) == (
+        choices,
+        [],
+    )
     assert SlowerEngine.measured == 0
-

@@ -29,16 +29,20 @@ def spec_from_model_config(m: Any) -> ArchSpec:
     pattern = str(_get(m, "pattern", "") or "")
     act = str(_get(m, "activation", "swiglu"))
     if not pattern:
-        return ArchSpec.llama(
-            hidden=hidden,
-            vocab=int(_get(m, "vocab")),
-            layers=int(_get(m, "num_layers")),
-            heads=heads,
-            kv_groups=int(_get(m, "kv_groups")),
-            ffn=int(_get(m, "ffn")),
-            head_dim=head_dim,
-            **common,
-        ) if act == "swiglu" else _llama_with_activation(m, hidden, heads, head_dim, act, common)
+        return (
+            ArchSpec.llama(
+                hidden=hidden,
+                vocab=int(_get(m, "vocab")),
+                layers=int(_get(m, "num_layers")),
+                heads=heads,
+                kv_groups=int(_get(m, "kv_groups")),
+                ffn=int(_get(m, "ffn")),
+                head_dim=head_dim,
+                **common,
+            )
+            if act == "swiglu"
+            else _llama_with_activation(m, hidden, heads, head_dim, act, common)
+        )
     attention = AttentionBlock(heads, int(_get(m, "kv_groups")), head_dim) if heads else None
     mlp = MlpBlock(int(_get(m, "ffn")), act) if int(_get(m, "ffn")) else None
     moe = (
@@ -65,8 +69,14 @@ def spec_from_model_config(m: Any) -> ArchSpec:
         else None
     )
     return ArchSpec.from_pattern(
-        pattern, hidden=hidden, vocab=int(_get(m, "vocab")), attention=attention,  # type: ignore[arg-type]
-        mlp=mlp, moe=moe, mamba=mamba, **common,
+        pattern,
+        hidden=hidden,
+        vocab=int(_get(m, "vocab")),
+        attention=attention,  # type: ignore[arg-type]
+        mlp=mlp,
+        moe=moe,
+        mamba=mamba,
+        **common,
     )
 
 

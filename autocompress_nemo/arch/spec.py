@@ -44,8 +44,7 @@ class AttentionBlock:
             raise ValueError("attention block: a removed block (num_heads=0) must have num_kv_groups=0")
         if self.num_heads and (self.num_kv_groups == 0 or self.num_heads % self.num_kv_groups):
             raise ValueError(
-                f"attention block: num_heads={self.num_heads} is not a multiple of "
-                f"num_kv_groups={self.num_kv_groups}"
+                f"attention block: num_heads={self.num_heads} is not a multiple of num_kv_groups={self.num_kv_groups}"
             )
 
     @property
@@ -185,9 +184,18 @@ class ArchSpec:
         return cls(hidden=hidden, vocab=vocab, blocks=tuple(blocks), family=kw.pop("family", "llama"), **kw)
 
     @classmethod
-    def from_pattern(cls, pattern: str, *, hidden: int, vocab: int, attention: AttentionBlock,
-                     mlp: MlpBlock | None = None, moe: MoeBlock | None = None,
-                     mamba: MambaBlock | None = None, **kw: Any) -> ArchSpec:
+    def from_pattern(
+        cls,
+        pattern: str,
+        *,
+        hidden: int,
+        vocab: int,
+        attention: AttentionBlock,
+        mlp: MlpBlock | None = None,
+        moe: MoeBlock | None = None,
+        mamba: MambaBlock | None = None,
+        **kw: Any,
+    ) -> ArchSpec:
         """A hybrid from a Nemotron-H pattern, one character per block (``M * - E``)."""
         by_kind: dict[str, Block | None] = {"attention": attention, "mlp": mlp, "moe": moe, "mamba": mamba}
         blocks = []

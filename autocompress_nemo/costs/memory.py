@@ -28,14 +28,20 @@ from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MambaBl
 
 # (elements per block, bytes per block) of GGML storage types (as ggml-common.h defines them)
 GGML_BLOCK: dict[str, tuple[int, int]] = {
-    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2),
-    "q8_0": (32, 34),   # 32 int8 + one f16 scale
-    "q4_0": (32, 18),   # 32 4-bit + one f16 scale
-    "q4_1": (32, 20),   # 32 4-bit + f16 scale + f16 min
-    "q5_0": (32, 22), "q5_1": (32, 24),
-    "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
-    "fp8": (1, 1), "int8": (1, 1),
-    "nvfp4": (16, 9),   # 16 FP4 (E2M1) values + one FP8 (E4M3) scale (per-tensor FP32 scale ignored)
+    "f32": (1, 4),
+    "f16": (1, 2),
+    "bf16": (1, 2),
+    "q8_0": (32, 34),  # 32 int8 + one f16 scale
+    "q4_0": (32, 18),  # 32 4-bit + one f16 scale
+    "q4_1": (32, 20),  # 32 4-bit + f16 scale + f16 min
+    "q5_0": (32, 22),
+    "q5_1": (32, 24),
+    "q4_k": (256, 144),
+    "q5_k": (256, 176),
+    "q6_k": (256, 210),
+    "fp8": (1, 1),
+    "int8": (1, 1),
+    "nvfp4": (16, 9),  # 16 FP4 (E2M1) values + one FP8 (E4M3) scale (per-tensor FP32 scale ignored)
 }
 
 
@@ -111,15 +117,19 @@ def block_state_bytes(b: Block, batch: int, state_dtype: str, conv_extra: int = 
     and mamba-ssm keep ``K``, ``e = 1``; calibrated by the profiler as ``memory.conv_extra``)."""
     if not isinstance(b, MambaBlock) or b.removed:
         return 0.0
-    return (b.num_heads * b.head_dim * b.state_size + mamba_conv_dim(b) * (b.conv_kernel - 1 + conv_extra)) * \
-        batch * bytes_per_element(state_dtype)
+    return (
+        (b.num_heads * b.head_dim * b.state_size + mamba_conv_dim(b) * (b.conv_kernel - 1 + conv_extra))
+        * batch
+        * bytes_per_element(state_dtype)
+    )
 
 
 def ssm_state_bytes(spec: ArchSpec, batch: int, state_dtype: str, conv_extra: int = 0) -> float:
     """All Mamba state: ``ssm_state_bytes_per_sequence(spec) * B`` (+ ``conv_dim * e * B`` per block)."""
     extra = sum(mamba_conv_dim(b) for b in spec.blocks if isinstance(b, MambaBlock) and not b.removed) * conv_extra
-    return (ssm_state_bytes_per_sequence(spec, bytes_per_element(state_dtype))
-            + extra * bytes_per_element(state_dtype)) * batch
+    return (
+        ssm_state_bytes_per_sequence(spec, bytes_per_element(state_dtype)) + extra * bytes_per_element(state_dtype)
+    ) * batch
 
 
 def conv_extra_columns(spec: ArchSpec, batch: int, state_dtype: str, measured_state: float) -> int:
@@ -128,8 +138,12 @@ def conv_extra_columns(spec: ArchSpec, batch: int, state_dtype: str, measured_st
     conv = sum(mamba_conv_dim(b) for b in spec.blocks if isinstance(b, MambaBlock) and not b.removed)
     if not conv or measured_state <= 0:
         return 0
-    return int(round((measured_state - ssm_state_bytes(spec, batch, state_dtype)) /
-                     (conv * batch * bytes_per_element(state_dtype))))
+    return int(
+        round(
+            (measured_state - ssm_state_bytes(spec, batch, state_dtype))
+            / (conv * batch * bytes_per_element(state_dtype))
+        )
+    )
 
 
 def output_buffer_bytes(vocab: int, batch: int, logits_bytes: int = 4) -> int:
@@ -138,12 +152,24 @@ def output_buffer_bytes(vocab: int, batch: int, logits_bytes: int = 4) -> int:
     return vocab * batch * logits_bytes
 
 
-def block_memory_bytes(b: Block, hidden: int, *, dtype: str, kv_dtype: str, context: int, batch: int,
-                       norm_dtype: str = "f32", state_dtype: str = "f32") -> float:
+def block_memory_bytes(
+    b: Block,
+    hidden: int,
+    *,
+    dtype: str,
+    kv_dtype: str,
+    context: int,
+    batch: int,
+    norm_dtype: str = "f32",
+    state_dtype: str = "f32",
+) -> float:
     """The additive memory of one block: its weights + its KV (attention) or state (Mamba)
     at full context ``C`` and batch ``B``."""
-    return (block_weight_bytes(b, hidden, dtype, norm_dtype) + block_kv_bytes(b, context, batch, kv_dtype)
-            + block_state_bytes(b, batch, state_dtype))
+    return (
+        block_weight_bytes(b, hidden, dtype, norm_dtype)
+        + block_kv_bytes(b, context, batch, kv_dtype)
+        + block_state_bytes(b, batch, state_dtype)
+    )
 
 
 def workspace_estimate(spec: ArchSpec, tokens: int, bytes_act: int = 4) -> float:

@@ -76,12 +76,15 @@ class Predictor:
         if metric in ("decode_ms", "tpot_ms"):
             return self.table.block_latency(block, "decode_ms")
         if metric == "response_latency_ms":
-            return (self.table.block_latency(block, "prefill_ms")
-                    + self.output_len * self.table.block_latency(block, "decode_ms"))
+            return self.table.block_latency(block, "prefill_ms") + self.output_len * self.table.block_latency(
+                block, "decode_ms"
+            )
         if metric == "memory_bytes":
-            return (mem.block_weight_bytes(block, self.table.parent.hidden, self.dtype, self.norm_dtype)
-                    + mem.block_kv_bytes(block, self.kv_tokens, 1, self.kv_dtype)
-                    + mem.block_state_bytes(block, self.batch, self.state_dtype, self.conv_extra))
+            return (
+                mem.block_weight_bytes(block, self.table.parent.hidden, self.dtype, self.norm_dtype)
+                + mem.block_kv_bytes(block, self.kv_tokens, 1, self.kv_dtype)
+                + mem.block_state_bytes(block, self.batch, self.state_dtype, self.conv_extra)
+            )
         if metric == "params":
             return float(block_params(block, self.table.parent.hidden))
         raise ValueError(_metric_error(metric))
@@ -90,7 +93,9 @@ class Predictor:
         """Everything outside the blocks: intercept + one empty-layer overhead per layer
         (latency), embedding/LM head weights + workspace + buffers (memory)."""
         n_layers = spec.num_layers
-        lat = {p: self.table.intercept[p] + n_layers * self.table.layer_overhead[p] for p in ("prefill_ms", "decode_ms")}
+        lat = {
+            p: self.table.intercept[p] + n_layers * self.table.layer_overhead[p] for p in ("prefill_ms", "decode_ms")
+        }
         if metric in ("prefill_ms", "ttft_ms"):
             return lat["prefill_ms"]
         if metric in ("decode_ms", "tpot_ms"):
@@ -107,7 +112,9 @@ class Predictor:
     def memory_parts(self, spec: ArchSpec) -> dict[str, float]:
         """Bytes by part: weights, kv, state, compute (workspace), output (buffers)."""
         m = self.table.memory
-        outside = mem.embedding_weight_bytes(spec, self.dtype, self.norm_dtype) + float(m.get("weights_overhead_bytes", 0))
+        outside = mem.embedding_weight_bytes(spec, self.dtype, self.norm_dtype) + float(
+            m.get("weights_overhead_bytes", 0)
+        )
         blocks_w = sum(mem.block_weight_bytes(b, spec.hidden, self.dtype, self.norm_dtype) for b in spec.blocks)
         return {
             "weights": outside + blocks_w,
@@ -138,7 +145,8 @@ class Predictor:
             "memory_bytes": sum(mem_parts.values()),
             "memory": mem_parts,
             # upper bound: the largest workspace the engine reported for any probe
-            "memory_bytes_max": sum(mem_parts.values()) - mem_parts["compute"]
+            "memory_bytes_max": sum(mem_parts.values())
+            - mem_parts["compute"]
             + max(mem_parts["compute"], float((self.table.memory.get("compute_range") or [0, 0])[1])),
             "params": float(sum(block_params(b, spec.hidden) for b in spec.blocks) + embedding_params(spec)),
             "estimated": self.estimated,
@@ -146,9 +154,13 @@ class Predictor:
         }
 
     # -- differentiable face -----------------------------------------------------------
-    def expected(self, options: list[list[Block]], probs: list[Any], spec: ArchSpec,
-                 metrics: tuple[str, ...] = ("prefill_ms", "decode_ms", "response_latency_ms", "memory_bytes"),
-                 ) -> dict[str, Any]:
+    def expected(
+        self,
+        options: list[list[Block]],
+        probs: list[Any],
+        spec: ArchSpec,
+        metrics: tuple[str, ...] = ("prefill_ms", "decode_ms", "response_latency_ms", "memory_bytes"),
+    ) -> dict[str, Any]:
         """``constant_cost(spec, m) + sum_d sum_k probs[d][k] * block_cost(options[d][k], m)`` per metric.
 
         ``spec``: the model whose blocks outside the decisions are fixed (typically the parent);
@@ -173,8 +185,10 @@ class Predictor:
 
 def _metric_error(metric: str) -> str:
     if metric == "throughput_tps":
-        return ("throughput_tps is not additive over blocks; express it as the per-step time "
-                "decode_ms = 1000 * batch / throughput (resolve_budget does this)")
+        return (
+            "throughput_tps is not additive over blocks; express it as the per-step time "
+            "decode_ms = 1000 * batch / throughput (resolve_budget does this)"
+        )
     return f"unknown metric {metric!r}; additive metrics: {ADDITIVE}"
 
 
@@ -207,8 +221,10 @@ def resolve_budget(budget: Any, parent: dict[str, Any], batch: int | None = None
             metric, absval = "decode_ms", v
         else:
             if rel and metric not in parent:
-                raise ValueError(f"budget {metric}: relative value {value!r} needs the parent's {metric}; "
-                                 f"the parent's figures have {sorted(k for k in parent if not k.startswith('_'))}")
+                raise ValueError(
+                    f"budget {metric}: relative value {value!r} needs the parent's {metric}; "
+                    f"the parent's figures have {sorted(k for k in parent if not k.startswith('_'))}"
+                )
             absval = num * float(parent[metric]) if rel else num
             if metric == "tpot_ms":
                 metric = "decode_ms"

@@ -111,18 +111,30 @@ def make_plan(parent: ArchSpec, caps: Any, ffn_points: int, k1: int = 0, k2: int
     layers = parent.layers()
     a_p, m_p = layers[0]
     if any(layer != (a_p, m_p) for layer in layers):
-        raise ValueError("profiling needs a uniform parent (every layer the same shape); "
-                         f"got {parent.name or 'a heterogeneous parent'}")
-    ffns = [MlpBlock(f, m_p.activation) for f in ffn_grid(m_p.ffn, ffn_points, _cap(caps, "ffn_align", 1),
-                                                           _cap(caps, "vary_ffn"))]
+        raise ValueError(
+            "profiling needs a uniform parent (every layer the same shape); "
+            f"got {parent.name or 'a heterogeneous parent'}"
+        )
+    ffns = [
+        MlpBlock(f, m_p.activation)
+        for f in ffn_grid(m_p.ffn, ffn_points, _cap(caps, "ffn_align", 1), _cap(caps, "vary_ffn"))
+    ]
     can_rm_attn = bool(_cap(caps, "remove_attention"))
     removed_attn = AttentionBlock(0, 0, a_p.head_dim)
     empty = (removed_attn, MlpBlock(0, m_p.activation)) if can_rm_attn and _cap(caps, "remove_mlp") else None
     k2 = k2 if k2 is not None else max(1, len(layers) - 2)
     if not 0 <= k1 < k2:
         raise ValueError(f"profiling needs 0 <= k1 < k2, got k1={k1}, k2={k2}")
-    return Plan(full=(a_p, m_p), empty=empty, ffn_ref_attention=removed_attn if can_rm_attn else a_p,
-                ffn_ref=ffns[0], ffn_options=ffns, attention_options=attention_grid(a_p, caps), k1=k1, k2=k2)
+    return Plan(
+        full=(a_p, m_p),
+        empty=empty,
+        ffn_ref_attention=removed_attn if can_rm_attn else a_p,
+        ffn_ref=ffns[0],
+        ffn_options=ffns,
+        attention_options=attention_grid(a_p, caps),
+        k1=k1,
+        k2=k2,
+    )
 
 
 def profile_spec(parent: ArchSpec, full: Layer, x: Layer, k: int, name: str) -> ArchSpec:
@@ -146,8 +158,13 @@ def build_table(
         return build_hybrid_table(engine, parent, workload, ffn_points=ffn_points, log=log)
     k1 = int(engine.setting("profile_k1", 0)) if k1 is None else k1
     k2_set = engine.setting("profile_k2", "auto") if k2 is None else k2
-    plan = make_plan(parent, engine.capabilities, int(engine.setting("ffn_grid", ffn_points)), k1,
-                     None if k2_set in (None, "auto") else int(k2_set))
+    plan = make_plan(
+        parent,
+        engine.capabilities,
+        int(engine.setting("ffn_grid", ffn_points)),
+        k1,
+        None if k2_set in (None, "auto") else int(k2_set),
+    )
     jobs: list[tuple[str, Layer, int]] = [("base", plan.full, 0)]
     for name, x in plan.layers().items():
         if plan.k1:
@@ -155,30 +172,48 @@ def build_table(
         jobs.append((f"{name}_k{plan.k2}", x, plan.k2))
     t_start = time.time()
     specs = [profile_spec(parent, plan.full, x, k, name) for name, x, k in jobs]
-    log(f"[profile] {len(jobs)} profiling models ({len(plan.ffn_options)} ffn, {len(plan.attention_options)} "
-        f"attention options, k1={plan.k1}, k2={plan.k2}); engine {engine.name}, workload {workload}")
+    log(
+        f"[profile] {len(jobs)} profiling models ({len(plan.ffn_options)} ffn, {len(plan.attention_options)} "
+        f"attention options, k1={plan.k1}, k2={plan.k2}); engine {engine.name}, workload {workload}"
+    )
     for i, (name, x, k) in enumerate(jobs):
-        log(f"  model {i + 1}/{len(jobs)} {name}: {x[0].num_heads}h/{x[0].num_kv_groups}g ffn {x[1].ffn} x{k} "
-            "between full layers")
+        log(
+            f"  model {i + 1}/{len(jobs)} {name}: {x[0].num_heads}h/{x[0].num_kv_groups}g ffn {x[1].ffn} x{k} "
+            "between full layers"
+        )
     done = [0]
     total = len(jobs) * int(engine.setting("rounds", 2))
 
     def progress(msg: str) -> None:
         done[0] += 1
         el = time.time() - t_start
-        log(f"[profile {done[0]}/{total}] timing{msg[msg.index(':'):]} "
-            f"({total - done[0]} runs remain, ~{el / done[0] * (total - done[0]):.0f} s left)")
+        log(
+            f"[profile {done[0]}/{total}] timing{msg[msg.index(':') :]} "
+            f"({total - done[0]} runs remain, ~{el / done[0] * (total - done[0]):.0f} s left)"
+        )
 
     results = engine.measure_many(specs, workload, log=progress)
     meas: dict[str, Measurement] = {}
     runs: list[dict[str, Any]] = []
     for (name, x, k), m in zip(jobs, results, strict=True):
         meas[name] = m
-        runs.append({"name": name, "layer": [x[0].__dict__, x[1].__dict__], "k": k, "prefill_ms": m.prefill_ms,
-                     "decode_ms": m.decode_ms, "memory": m.memory, "raw": m.raw, "spread": m.spread,
-                     "wall_s": round(m.wall_s, 3)})
-        log(f"    {name}: prefill {m.prefill_ms:.3f} ms, decode {m.decode_ms:.4f} ms/step, "
-            f"memory {m.memory_bytes / 2**20:.2f} MiB")
+        runs.append(
+            {
+                "name": name,
+                "layer": [x[0].__dict__, x[1].__dict__],
+                "k": k,
+                "prefill_ms": m.prefill_ms,
+                "decode_ms": m.decode_ms,
+                "memory": m.memory,
+                "raw": m.raw,
+                "spread": m.spread,
+                "wall_s": round(m.wall_s, 3),
+            }
+        )
+        log(
+            f"    {name}: prefill {m.prefill_ms:.3f} ms, decode {m.decode_ms:.4f} ms/step, "
+            f"memory {m.memory_bytes / 2**20:.2f} MiB"
+        )
 
     def slope(name: str, phase: str) -> float:
         lo = getattr(meas[f"{name}_k{plan.k1}"] if plan.k1 else meas["base"], phase)
@@ -186,10 +221,13 @@ def build_table(
 
     names = {v: k for k, v in plan.layers().items()}
     c_empty = {p: slope("empty", p) if plan.empty else 0.0 for p in PHASES}
-    c_ffn = {m: {p: slope(names[(plan.ffn_ref_attention, m)], p) - c_empty[p] for p in PHASES}
-             for m in plan.ffn_options}
-    c_attn = {a: {p: slope(names[(a, plan.ffn_ref)], p) - c_empty[p] - c_ffn[plan.ffn_ref][p] for p in PHASES}
-              for a in plan.attention_options}
+    c_ffn = {
+        m: {p: slope(names[(plan.ffn_ref_attention, m)], p) - c_empty[p] for p in PHASES} for m in plan.ffn_options
+    }
+    c_attn = {
+        a: {p: slope(names[(a, plan.ffn_ref)], p) - c_empty[p] - c_ffn[plan.ffn_ref][p] for p in PHASES}
+        for a in plan.attention_options
+    }
     a_p, m_p = plan.full
     intercept = {p: meas["base"].__dict__[p] - 2 * (c_empty[p] + c_attn[a_p][p] + c_ffn[m_p][p]) for p in PHASES}
     blocks = [{"block": m.__dict__, **c_ffn[m], "source": names[(plan.ffn_ref_attention, m)]} for m in plan.ffn_options]
@@ -204,24 +242,46 @@ def build_table(
         "weights_overhead_bytes": base.memory.get("weights", 0.0) - weight_bytes(base_spec, dtype),
         # KV cells the engine allocates for B x C tokens (llama.cpp pads to a multiple of 256)
         # (read from the run with the largest KV buffer: the log's 0.01 MiB resolution matters least there)
-        "kv_tokens": _kv_tokens(*max(zip(results, specs, strict=True), key=lambda ms: ms[0].memory.get("kv", 0.0)),
-                                workload, str(getattr(engine.cfg, "kv_dtype", "f16"))),
+        "kv_tokens": _kv_tokens(
+            *max(zip(results, specs, strict=True), key=lambda ms: ms[0].memory.get("kv", 0.0)),
+            workload,
+            str(getattr(engine.cfg, "kv_dtype", "f16")),
+        ),
         "norm_dtype": "f32" if engine.name == "llama_cpp" else dtype,
     }
     settings = {k: v for k, v in dict(engine.cfg.settings or {}).items()}
     settings.update({"percentile": float(engine.cfg.percentile), "k1": plan.k1, "k2": plan.k2})
     seen = [m.memory.get("compute", 0.0) for m in results] + list(memory["compute_range"])
     memory["compute_range"] = [min(seen), max(seen)]  # over profiling models and probes
-    prov = make_provenance(engine.provenance(), workload.__dict__,
-                           workload.decode_context(str(engine.setting("decode_context", "mean"))),
-                           expected_settings(engine.cfg), parent)
-    prov.update({"profile_models": len(jobs), "engine_runs": int(getattr(engine, "runs", len(jobs))), "profile_wall_s": round(time.time() - t_start, 2), "profile": settings})
-    return CostTable(provenance=prov, parent=parent, intercept=intercept, layer_overhead=c_empty, blocks=blocks,
-                     memory=memory, runs=runs)
+    prov = make_provenance(
+        engine.provenance(),
+        workload.__dict__,
+        workload.decode_context(str(engine.setting("decode_context", "mean"))),
+        expected_settings(engine.cfg),
+        parent,
+    )
+    prov.update(
+        {
+            "profile_models": len(jobs),
+            "engine_runs": int(getattr(engine, "runs", len(jobs))),
+            "profile_wall_s": round(time.time() - t_start, 2),
+            "profile": settings,
+        }
+    )
+    return CostTable(
+        provenance=prov,
+        parent=parent,
+        intercept=intercept,
+        layer_overhead=c_empty,
+        blocks=blocks,
+        memory=memory,
+        runs=runs,
+    )
 
 
-def _compute_probes(engine: Engine, parent: ArchSpec, plan: Plan, wl: Workload,
-                    log: Callable[[str], None]) -> dict[str, Any]:
+def _compute_probes(
+    engine: Engine, parent: ArchSpec, plan: Plan, wl: Workload, log: Callable[[str], None]
+) -> dict[str, Any]:
     """Workspace (compute buffer) per option, from memory-only probe models (no timing).
 
     The engine's workspace is a peak over the graph, set by the widest layer, so it is not
@@ -237,11 +297,17 @@ def _compute_probes(engine: Engine, parent: ArchSpec, plan: Plan, wl: Workload,
         res = engine.measure_many(specs, wl, rounds=1, timing=False)  # type: ignore[call-arg]
     else:
         res = engine.measure_many(specs, wl, rounds=1)
-    per = [{"block": (m if i <= len(plan.ffn_options) else a).__dict__, "bytes": r.memory.get("compute", 0.0)}
-           for i, ((a, m), r) in enumerate(zip(probes, res, strict=True)) if i > 0]
+    per = [
+        {"block": (m if i <= len(plan.ffn_options) else a).__dict__, "bytes": r.memory.get("compute", 0.0)}
+        for i, ((a, m), r) in enumerate(zip(probes, res, strict=True))
+        if i > 0
+    ]
     seen = [r.memory.get("compute", 0.0) for r in res]
-    return {"compute_base_bytes": res[0].memory.get("compute", 0.0), "compute_bytes": per,
-            "compute_range": [min(seen), max(seen)]}
+    return {
+        "compute_base_bytes": res[0].memory.get("compute", 0.0),
+        "compute_bytes": per,
+        "compute_range": [min(seen), max(seen)],
+    }
 
 
 def _kv_tokens(m: Measurement, spec: ArchSpec, wl: Workload, kv_dtype: str) -> int:
@@ -272,7 +338,7 @@ def hybrid_profile_options(parent: ArchSpec, caps: Any, ffn_points: int) -> list
     for d in build_space(parent, caps, ffn_points):
         out += [o for o in d.options if not o.removed and o not in out]
     for b in parent.blocks:
-        for p in (moe_parts(b) if isinstance(b, MoeBlock) else (b,)):
+        for p in moe_parts(b) if isinstance(b, MoeBlock) else (b,):
             if not p.removed and p not in out:
                 out.append(p)
     return out
@@ -291,8 +357,14 @@ def spread_copies(blocks: tuple[Any, ...], x: Any, k: int) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def build_hybrid_table(engine: Engine, parent: ArchSpec, workload: Workload, *, ffn_points: int = 8,
-                       log: Callable[[str], None] | None = None) -> CostTable:
+def build_hybrid_table(
+    engine: Engine,
+    parent: ArchSpec,
+    workload: Workload,
+    *,
+    ffn_points: int = 8,
+    log: Callable[[str], None] | None = None,
+) -> CostTable:
     """Cost table of a hybrid parent, by ``engine.settings.profile_method``:
 
     - ``fit`` (default for measured engines): per-block costs and the constant per forward fitted by
@@ -312,34 +384,62 @@ def build_hybrid_table(engine: Engine, parent: ArchSpec, workload: Workload, *, 
     options = hybrid_profile_options(parent, engine.capabilities, int(engine.setting("ffn_grid", ffn_points)))
     t_start = time.time()
     if method == "fit":
-        specs, results, blocks, intercept, runs, extra = _hybrid_fit(engine, parent, workload, options,
-                                                                     int(engine.setting("ffn_grid", ffn_points)), log)
+        specs, results, blocks, intercept, runs, extra = _hybrid_fit(
+            engine, parent, workload, options, int(engine.setting("ffn_grid", ffn_points)), log
+        )
     else:
         specs, results, blocks, intercept, runs, extra = _hybrid_differences(engine, parent, workload, options, log)
     base = results[0]  # the parent, in both designs
     dtype = str(engine.cfg.dtype)
     norm_dtype = "f32" if engine.name == "llama_cpp" else dtype
     comp = [m.memory.get("compute", 0.0) for m in results]
-    memory = {"output_bytes": base.memory.get("output", 0.0), "compute_bytes": [],
-              "compute_base_bytes": base.memory.get("compute", 0.0), "compute_range": [min(comp), max(comp)],
-              "weights_overhead_bytes": base.memory.get("weights", 0.0) - weight_bytes(parent, dtype, norm_dtype),
-              "kv_tokens": workload.context_len * workload.batch, "norm_dtype": norm_dtype,
-              # conv-state columns beyond K-1 that the engine keeps (transformers: K), from the base's state
-              "conv_extra": conv_extra_columns(parent, workload.batch, "f32", base.memory.get("state", 0.0))
-              if not base.estimated else 0}
+    memory = {
+        "output_bytes": base.memory.get("output", 0.0),
+        "compute_bytes": [],
+        "compute_base_bytes": base.memory.get("compute", 0.0),
+        "compute_range": [min(comp), max(comp)],
+        "weights_overhead_bytes": base.memory.get("weights", 0.0) - weight_bytes(parent, dtype, norm_dtype),
+        "kv_tokens": workload.context_len * workload.batch,
+        "norm_dtype": norm_dtype,
+        # conv-state columns beyond K-1 that the engine keeps (transformers: K), from the base's state
+        "conv_extra": conv_extra_columns(parent, workload.batch, "f32", base.memory.get("state", 0.0))
+        if not base.estimated
+        else 0,
+    }
     settings = {kk: v for kk, v in dict(engine.cfg.settings or {}).items()}
-    settings.update({"percentile": float(engine.cfg.percentile), "method": f"hybrid_{method}",
-                     **extra.pop("settings", {})})
-    prov = make_provenance(engine.provenance(), workload.__dict__,
-                           workload.decode_context(str(engine.setting("decode_context", "mean"))),
-                           expected_settings(engine.cfg), parent)
-    prov.update({"profile_models": len(specs), "engine_runs": int(getattr(engine, "runs", len(specs))),
-                 "profile_wall_s": round(time.time() - t_start, 2), "profile": settings,
-                 "profile_model_hashes": sorted({spec_hash(s) for s in specs}), **extra})
-    log(f"[profile] hybrid table ({method}): {len(blocks)} block options; intercept prefill "
-        f"{intercept['prefill_ms']:.3f} ms, decode {intercept['decode_ms']:.3f} ms; {time.time() - t_start:.0f} s")
-    return CostTable(provenance=prov, parent=parent, intercept=intercept,
-                     layer_overhead={p: 0.0 for p in PHASES}, blocks=blocks, memory=memory, runs=runs)
+    settings.update(
+        {"percentile": float(engine.cfg.percentile), "method": f"hybrid_{method}", **extra.pop("settings", {})}
+    )
+    prov = make_provenance(
+        engine.provenance(),
+        workload.__dict__,
+        workload.decode_context(str(engine.setting("decode_context", "mean"))),
+        expected_settings(engine.cfg),
+        parent,
+    )
+    prov.update(
+        {
+            "profile_models": len(specs),
+            "engine_runs": int(getattr(engine, "runs", len(specs))),
+            "profile_wall_s": round(time.time() - t_start, 2),
+            "profile": settings,
+            "profile_model_hashes": sorted({spec_hash(s) for s in specs}),
+            **extra,
+        }
+    )
+    log(
+        f"[profile] hybrid table ({method}): {len(blocks)} block options; intercept prefill "
+        f"{intercept['prefill_ms']:.3f} ms, decode {intercept['decode_ms']:.3f} ms; {time.time() - t_start:.0f} s"
+    )
+    return CostTable(
+        provenance=prov,
+        parent=parent,
+        intercept=intercept,
+        layer_overhead={p: 0.0 for p in PHASES},
+        blocks=blocks,
+        memory=memory,
+        runs=runs,
+    )
 
 
 def _progress(log: Callable[[str], None], total: int, t_start: float) -> Callable[[str], None]:
@@ -354,13 +454,28 @@ def _progress(log: Callable[[str], None], total: int, t_start: float) -> Callabl
 
 
 def _run_row(s: ArchSpec, m: Measurement, **extra: Any) -> dict[str, Any]:
-    return {"name": s.name, **extra, "prefill_ms": m.prefill_ms, "decode_ms": m.decode_ms, "memory": m.memory,
-            "raw": m.raw, "spread": m.spread, "wall_s": round(m.wall_s, 3)}
+    return {
+        "name": s.name,
+        **extra,
+        "prefill_ms": m.prefill_ms,
+        "decode_ms": m.decode_ms,
+        "memory": m.memory,
+        "raw": m.raw,
+        "spread": m.spread,
+        "wall_s": round(m.wall_s, 3),
+    }
 
 
-def _hybrid_fit(engine: Engine, parent: ArchSpec, workload: Workload, options: list[Any], ffn_points: int,
-                log: Callable[[str], None]) -> tuple[list[ArchSpec], list[Measurement], list[dict[str, Any]],
-                                                     dict[str, float], list[dict[str, Any]], dict[str, Any]]:
+def _hybrid_fit(
+    engine: Engine,
+    parent: ArchSpec,
+    workload: Workload,
+    options: list[Any],
+    ffn_points: int,
+    log: Callable[[str], None],
+) -> tuple[
+    list[ArchSpec], list[Measurement], list[dict[str, Any]], dict[str, float], list[dict[str, Any]], dict[str, Any]
+]:
     """Profiling models = the parent + ``N`` balanced random children; costs by least squares."""
     from autocompress_nemo.profile.hybrid_fit import balanced_choices, feature_matrix, fit_costs
     from autocompress_nemo.search.space import apply_choices, build_space
@@ -368,8 +483,9 @@ def _hybrid_fit(engine: Engine, parent: ArchSpec, workload: Workload, options: l
     decisions = build_space(parent, engine.capabilities, ffn_points)
     columns = list(options)
     n_unknowns = len(columns) + 1
-    n = int(engine.setting("profile_models", 0)) or int(round(float(engine.setting("profile_models_per_unknown", 3))
-                                                               * n_unknowns))
+    n = int(engine.setting("profile_models", 0)) or int(
+        round(float(engine.setting("profile_models_per_unknown", 3)) * n_unknowns)
+    )
     seed = int(engine.setting("profile_seed", 1))
     specs, seen = [parent.replace(name="parent")], {spec_hash(parent)}
     for i, ch in enumerate(balanced_choices([len(d.options) for d in decisions], n, seed)):
@@ -381,34 +497,62 @@ def _hybrid_fit(engine: Engine, parent: ArchSpec, workload: Workload, options: l
     unseen = [c for j, c in enumerate(columns) if not counts[:, j].any()]
     if unseen:
         raise ValueError(f"profiling design never uses {unseen}: raise engine.settings.profile_models")
-    log(f"[profile] hybrid fit: {len(specs)} profiling models (parent + {len(specs) - 1} balanced children of the "
-        f"search space) for {n_unknowns} unknowns; engine {engine.name} ({engine.version()}), workload {workload}")
+    log(
+        f"[profile] hybrid fit: {len(specs)} profiling models (parent + {len(specs) - 1} balanced children of the "
+        f"search space) for {n_unknowns} unknowns; engine {engine.name} ({engine.version()}), workload {workload}"
+    )
     t0 = time.time()
-    results = engine.measure_many(specs, workload,
-                                  log=_progress(log, len(specs) * int(engine.setting("rounds", 2)), t0))
+    results = engine.measure_many(
+        specs, workload, log=_progress(log, len(specs) * int(engine.setting("rounds", 2)), t0)
+    )
     fits = {p: fit_costs(counts, np.array([getattr(m, p) for m in results])) for p in PHASES}
     intercept = {p: fits[p].intercept for p in PHASES}
-    blocks = [{"block": c.__dict__, **{p: float(fits[p].costs[j]) for p in PHASES}, "source": "fit",
-               "appearances": int(counts[:, j].sum())} for j, c in enumerate(columns)]
-    runs = [_run_row(s, m, k=0, block=None, blocks=[b.__dict__ for b in s.blocks], spec_hash=spec_hash(s),
-                     **{f"fit_{p}": float(fits[p].fitted[i]) for p in PHASES},
-                     **{f"loo_err_{p}_pct": float(fits[p].loo_pct[i]) for p in PHASES})
-            for i, (s, m) in enumerate(zip(specs, results, strict=True))]
-    fit_prov = {"models": len(specs), "unknowns": n_unknowns,
-                **{p: {**fits[p].summary(), "rank": fits[p].rank, "cond": fits[p].cond} for p in PHASES},
-                "note": "relative residuals of the weighted NNLS fit (in-sample) and leave-one-out"}
-    log("[profile] fit residuals: " + "; ".join(
-        f"{p}: rms {fits[p].summary()['rms_pct']:.2f}%, leave-one-out rms {fits[p].summary()['loo_rms_pct']:.2f}% "
-        f"max {fits[p].summary()['loo_max_pct']:.2f}%" for p in PHASES) + f" (rank {fits['decode_ms'].rank} of "
-        f"{n_unknowns}, cond {fits['decode_ms'].cond:.0f})")
-    return specs, results, blocks, intercept, runs, {"fit": fit_prov, "settings": {"models": len(specs),
-                                                                                    "seed": seed}}
+    blocks = [
+        {
+            "block": c.__dict__,
+            **{p: float(fits[p].costs[j]) for p in PHASES},
+            "source": "fit",
+            "appearances": int(counts[:, j].sum()),
+        }
+        for j, c in enumerate(columns)
+    ]
+    runs = [
+        _run_row(
+            s,
+            m,
+            k=0,
+            block=None,
+            blocks=[b.__dict__ for b in s.blocks],
+            spec_hash=spec_hash(s),
+            **{f"fit_{p}": float(fits[p].fitted[i]) for p in PHASES},
+            **{f"loo_err_{p}_pct": float(fits[p].loo_pct[i]) for p in PHASES},
+        )
+        for i, (s, m) in enumerate(zip(specs, results, strict=True))
+    ]
+    fit_prov = {
+        "models": len(specs),
+        "unknowns": n_unknowns,
+        **{p: {**fits[p].summary(), "rank": fits[p].rank, "cond": fits[p].cond} for p in PHASES},
+        "note": "relative residuals of the weighted NNLS fit (in-sample) and leave-one-out",
+    }
+    log(
+        "[profile] fit residuals: "
+        + "; ".join(
+            f"{p}: rms {fits[p].summary()['rms_pct']:.2f}%, leave-one-out rms {fits[p].summary()['loo_rms_pct']:.2f}% "
+            f"max {fits[p].summary()['loo_max_pct']:.2f}%"
+            for p in PHASES
+        )
+        + f" (rank {fits['decode_ms'].rank} of "
+        f"{n_unknowns}, cond {fits['decode_ms'].cond:.0f})"
+    )
+    return specs, results, blocks, intercept, runs, {"fit": fit_prov, "settings": {"models": len(specs), "seed": seed}}
 
 
-def _hybrid_differences(engine: Engine, parent: ArchSpec, workload: Workload, options: list[Any],
-                        log: Callable[[str], None]) -> tuple[list[ArchSpec], list[Measurement],
-                                                             list[dict[str, Any]], dict[str, float],
-                                                             list[dict[str, Any]], dict[str, Any]]:
+def _hybrid_differences(
+    engine: Engine, parent: ArchSpec, workload: Workload, options: list[Any], log: Callable[[str], None]
+) -> tuple[
+    list[ArchSpec], list[Measurement], list[dict[str, Any]], dict[str, float], list[dict[str, Any]], dict[str, Any]
+]:
     """One difference of two models per option.
 
     Profiling model of option ``X``: the parent's blocks with ``k`` copies of ``X`` spread among
@@ -442,15 +586,21 @@ def _hybrid_differences(engine: Engine, parent: ArchSpec, workload: Workload, op
             jobs.append((f"{o.kind}{len(jobs)}", dataclasses.replace(routed_p, shared_ffn=o.shared_ffn)))
         else:
             jobs.append((f"{o.kind}{len(jobs)}", o))
-    specs = [parent.replace(name="base")] + [parent.replace(blocks=spread_copies(parent.blocks, x, k), name=n)
-                                             for n, x in jobs]
-    log(f"[profile] hybrid: {len(specs)} profiling models (parent + {k} copies of each of {len(jobs)} block options); "
-        f"engine {engine.name} ({engine.version()}), workload {workload}")
-    results = engine.measure_many(specs, workload,
-                                  log=_progress(log, len(specs) * int(engine.setting("rounds", 2)), time.time()))
+    specs = [parent.replace(name="base")] + [
+        parent.replace(blocks=spread_copies(parent.blocks, x, k), name=n) for n, x in jobs
+    ]
+    log(
+        f"[profile] hybrid: {len(specs)} profiling models (parent + {k} copies of each of {len(jobs)} block options); "
+        f"engine {engine.name} ({engine.version()}), workload {workload}"
+    )
+    results = engine.measure_many(
+        specs, workload, log=_progress(log, len(specs) * int(engine.setting("rounds", 2)), time.time())
+    )
     base = results[0]
-    slope = {n: {p: (getattr(m, p) - getattr(base, p)) / k for p in PHASES} for (n, _), m in zip(jobs, results[1:],
-                                                                                            strict=True)}
+    slope = {
+        n: {p: (getattr(m, p) - getattr(base, p)) / k for p in PHASES}
+        for (n, _), m in zip(jobs, results[1:], strict=True)
+    }
     costs: dict[Any, dict[str, float]] = {}
     for (n, _x), o in zip(jobs, options, strict=True):
         costs[o] = slope[n]
@@ -464,10 +614,14 @@ def _hybrid_differences(engine: Engine, parent: ArchSpec, workload: Workload, op
                 clamped.setdefault(o, []).append(f"{p} {c[p]:.4f}")
                 c[p] = 0.0
     if clamped:
-        log(f"[profile] {len(clamped)} block options measured below 0 (noise: the block costs less than the "
-            "timing spread) were set to 0: " + "; ".join(f"{o}: {', '.join(v)}" for o, v in clamped.items()))
-    blocks = [{"block": o.__dict__, **costs[o], "source": n, **({"clamped_from": clamped[o]} if o in clamped else {})}
-              for (n, _), o in zip(jobs, options, strict=True)]
+        log(
+            f"[profile] {len(clamped)} block options measured below 0 (noise: the block costs less than the "
+            "timing spread) were set to 0: " + "; ".join(f"{o}: {', '.join(v)}" for o, v in clamped.items())
+        )
+    blocks = [
+        {"block": o.__dict__, **costs[o], "source": n, **({"clamped_from": clamped[o]} if o in clamped else {})}
+        for (n, _), o in zip(jobs, options, strict=True)
+    ]
 
     def parent_block_cost(b: Any, p: str) -> float:
         if b.removed:
@@ -475,6 +629,8 @@ def _hybrid_differences(engine: Engine, parent: ArchSpec, workload: Workload, op
         return sum(costs[q][p] for q in moe_parts(b) if not q.removed) if isinstance(b, MoeBlock) else costs[b][p]
 
     intercept = {p: getattr(base, p) - sum(parent_block_cost(b, p) for b in parent.blocks) for p in PHASES}
-    runs = [_run_row(s, m, k=0 if i == 0 else k, block=None if i == 0 else jobs[i - 1][1].__dict__,
-                     spec_hash=spec_hash(s)) for i, (s, m) in enumerate(zip(specs, results, strict=True))]
+    runs = [
+        _run_row(s, m, k=0 if i == 0 else k, block=None if i == 0 else jobs[i - 1][1].__dict__, spec_hash=spec_hash(s))
+        for i, (s, m) in enumerate(zip(specs, results, strict=True))
+    ]
     return specs, results, blocks, intercept, runs, {"settings": {"copies": k}}

@@ -36,8 +36,21 @@ ESTIMATED_LABEL = "estimated, not measured"
 MEASURED_LABEL = "measured"
 PHASES = ("prefill_ms", "decode_ms")
 # provenance fields that must match the target (date and label are informative only)
-MATCH_FIELDS = ("engine", "engine_version", "device", "threads", "clock", "dtype", "kv_dtype", "flash_attn",
-                "workload", "decode_context", "settings", "parent", "estimated")
+MATCH_FIELDS = (
+    "engine",
+    "engine_version",
+    "device",
+    "threads",
+    "clock",
+    "dtype",
+    "kv_dtype",
+    "flash_attn",
+    "workload",
+    "decode_context",
+    "settings",
+    "parent",
+    "estimated",
+)
 
 
 class ProvenanceMismatch(ValueError):
@@ -67,9 +80,15 @@ class CostTable:
 
     # -- io -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {"provenance": self.provenance, "parent": self.parent.to_dict(), "intercept": self.intercept,
-                "layer_overhead": self.layer_overhead, "blocks": self.blocks, "memory": self.memory,
-                "runs": self.runs}
+        return {
+            "provenance": self.provenance,
+            "parent": self.parent.to_dict(),
+            "intercept": self.intercept,
+            "layer_overhead": self.layer_overhead,
+            "blocks": self.blocks,
+            "memory": self.memory,
+            "runs": self.runs,
+        }
 
     def save(self, path: str | Path) -> Path:
         write_json_atomic(path, self.to_dict())
@@ -79,11 +98,19 @@ class CostTable:
     def load(cls, path: str | Path, expected: dict[str, Any] | None = None) -> CostTable:
         p = Path(path)
         if not p.is_file():
-            raise FileNotFoundError(f"cost table {p} does not exist; build it with "
-                                    "`python -m autocompress_nemo.profile +target=<name>`")
+            raise FileNotFoundError(
+                f"cost table {p} does not exist; build it with `python -m autocompress_nemo.profile +target=<name>`"
+            )
         d = json.loads(p.read_text())
-        t = cls(provenance=d["provenance"], parent=ArchSpec.from_dict(d["parent"]), intercept=d["intercept"],
-                layer_overhead=d["layer_overhead"], blocks=d["blocks"], memory=d["memory"], runs=d.get("runs", []))
+        t = cls(
+            provenance=d["provenance"],
+            parent=ArchSpec.from_dict(d["parent"]),
+            intercept=d["intercept"],
+            layer_overhead=d["layer_overhead"],
+            blocks=d["blocks"],
+            memory=d["memory"],
+            runs=d.get("runs", []),
+        )
         if expected is not None:
             t.check(expected, source=str(p))
         return t
@@ -108,7 +135,8 @@ class CostTable:
                 bad.append(f"  {k}: table has {have!r}, target needs {want!r}")
         if bad:
             raise ProvenanceMismatch(
-                f"{source} does not match the target ({len(bad)} field(s) differ):\n" + "\n".join(bad)
+                f"{source} does not match the target ({len(bad)} field(s) differ):\n"
+                + "\n".join(bad)
                 + "\nRebuild it for this target with `python -m autocompress_nemo.profile +target=<name>` "
                 "(or point to a table built for it)."
             )
@@ -143,8 +171,11 @@ class CostTable:
             if _block_key(eb) == key:
                 return float(e[phase])
         if isinstance(b, MlpBlock):
-            pts = sorted((eb.ffn, float(e[phase])) for eb, e in entries if isinstance(eb, MlpBlock)
-                         and eb.activation == b.activation)
+            pts = sorted(
+                (eb.ffn, float(e[phase]))
+                for eb, e in entries
+                if isinstance(eb, MlpBlock) and eb.activation == b.activation
+            )
             if len(pts) >= 2:
                 xs, ys = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts])
                 if b.ffn < xs[0] or b.ffn > xs[-1]:  # linear extrapolation from the nearest two
@@ -152,8 +183,11 @@ class CostTable:
                     return float(ys[i] + (ys[i + 1] - ys[i]) * (b.ffn - xs[i]) / (xs[i + 1] - xs[i]))
                 return float(np.interp(b.ffn, xs, ys))
         if isinstance(b, AttentionBlock):
-            rows = [(1.0, eb.num_heads, eb.num_kv_groups, float(e[phase])) for eb, e in entries
-                    if isinstance(eb, AttentionBlock) and eb.head_dim == b.head_dim]
+            rows = [
+                (1.0, eb.num_heads, eb.num_kv_groups, float(e[phase]))
+                for eb, e in entries
+                if isinstance(eb, AttentionBlock) and eb.head_dim == b.head_dim
+            ]
             if len(rows) >= 3:
                 a = np.array([r[:3] for r in rows])
                 coef, *_ = np.linalg.lstsq(a, np.array([r[3] for r in rows]), rcond=None)
@@ -161,8 +195,10 @@ class CostTable:
         if isinstance(b, MoeBlock) and b not in moe_parts(b):
             # an MoE block = routed part + shared part, profiled separately (separate kernels)
             return sum(self.block_latency(p, phase) for p in moe_parts(b))
-        raise KeyError(f"cost table has no entry for {b} and cannot interpolate it; "
-                       f"profiled {b.kind} options: {[eb for eb, _ in entries]}")
+        raise KeyError(
+            f"cost table has no entry for {b} and cannot interpolate it; "
+            f"profiled {b.kind} options: {[eb for eb, _ in entries]}"
+        )
 
     def compute_bytes(self, spec: ArchSpec) -> float:
         """Workspace (llama.cpp compute buffer) of ``spec``: the midpoint of the probed range when it
@@ -190,8 +226,11 @@ def moe_parts(b: MoeBlock) -> tuple[MoeBlock, MoeBlock]:
     routed (router, routed experts, latent projections; ``shared_ffn = 0``) and shared
     (``num_experts = expert_ffn = top_k = latent = 0``). Latency of the block = the sum of the
     parts' latencies (they run as separate kernels); a removed part is removed (costs 0)."""
-    routed = MoeBlock(b.num_experts, b.expert_ffn, b.top_k, 0, b.latent, b.activation) \
-        if b.num_experts and b.expert_ffn else MoeBlock(0, 0, 0, 0, 0, b.activation)
+    routed = (
+        MoeBlock(b.num_experts, b.expert_ffn, b.top_k, 0, b.latent, b.activation)
+        if b.num_experts and b.expert_ffn
+        else MoeBlock(0, 0, 0, 0, 0, b.activation)
+    )
     return routed, MoeBlock(0, 0, 0, b.shared_ffn, 0, b.activation)
 
 
@@ -203,11 +242,23 @@ def _width(b: Block) -> int:
     return 0
 
 
-def make_provenance(engine_prov: dict[str, Any], workload: dict[str, int], decode_context: int,
-                    settings: dict[str, Any], parent: ArchSpec) -> dict[str, Any]:
+def make_provenance(
+    engine_prov: dict[str, Any],
+    workload: dict[str, int],
+    decode_context: int,
+    settings: dict[str, Any],
+    parent: ArchSpec,
+) -> dict[str, Any]:
     """Provenance of a table: engine fields + workload + settings + parent hash + date + label."""
     est = bool(engine_prov.get("estimated", False))
-    return {**engine_prov, "workload": dict(workload), "decode_context": int(decode_context),
-            "settings": dict(settings), "parent": spec_hash(parent), "parent_name": parent.name,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "estimated": est,
-            "label": ESTIMATED_LABEL if est else MEASURED_LABEL}
+    return {
+        **engine_prov,
+        "workload": dict(workload),
+        "decode_context": int(decode_context),
+        "settings": dict(settings),
+        "parent": spec_hash(parent),
+        "parent_name": parent.name,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "estimated": est,
+        "label": ESTIMATED_LABEL if est else MEASURED_LABEL,
+    }

@@ -105,10 +105,18 @@ class CheckpointStore:
             save_atomic(state, step_dir / self.shard_name)
         self.par.barrier()
         if self.par.is_rank0:
-            write_json_atomic(self.root / "latest.json", {
-                "step": step, "dir": step_dir.name, "tp": self.par.tp_size, "pp": self.par.pp_size,
-                "ep": self.par.ep_size, "dp": self.par.dp_size, "fingerprint": self.fingerprint,
-            })
+            write_json_atomic(
+                self.root / "latest.json",
+                {
+                    "step": step,
+                    "dir": step_dir.name,
+                    "tp": self.par.tp_size,
+                    "pp": self.par.pp_size,
+                    "ep": self.par.ep_size,
+                    "dp": self.par.dp_size,
+                    "fingerprint": self.fingerprint,
+                },
+            )
             old = sorted(d for d in self.root.glob("step_*") if d.is_dir() and d.name != step_dir.name)
             for d in old[: max(0, len(old) - (self.keep - 1))]:
                 shutil.rmtree(d, ignore_errors=True)
@@ -126,8 +134,10 @@ class CheckpointStore:
         if meta is None:
             return None
         if meta.get("fingerprint") != self.fingerprint:
-            log(f"distill: checkpoint {self.root} was written for another configuration "
-                f"({meta.get('fingerprint')} != {self.fingerprint}); starting from step 0")
+            log(
+                f"distill: checkpoint {self.root} was written for another configuration "
+                f"({meta.get('fingerprint')} != {self.fingerprint}); starting from step 0"
+            )
             return None
         here = (self.par.tp_size, self.par.pp_size, self.par.ep_size)
         if (meta.get("tp"), meta.get("pp"), meta.get("ep", 1)) != here:
@@ -139,6 +149,8 @@ class CheckpointStore:
             )
         path = self.root / meta["dir"] / self.shard_name
         if not path.is_file():
-            raise FileNotFoundError(f"distill checkpoint {self.root / 'latest.json'} points to {path}, which is "
-                                    f"missing; delete {self.root} to start over")
+            raise FileNotFoundError(
+                f"distill checkpoint {self.root / 'latest.json'} points to {path}, which is "
+                f"missing; delete {self.root} to start over"
+            )
         return torch.load(path, map_location="cpu", weights_only=False)

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from autocompress_nemo.distill.optim import Parallel, reduce_gradients
 
 
-def kd_loss(student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def kd_loss(
+    student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """Forward KL(teacher || student) on softened logits, mean over tokens, scaled by T^2.
 
     ``T^2 * mean_t sum_v p_t(v) * (log p_t(v) - log q_t(v))`` with ``p = softmax(z_teacher/T)``,
@@ -28,7 +30,9 @@ def kd_loss(student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Tensor, 
 
 def lm_loss(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy (mean over the B*(T-1) predicted tokens)."""
-    return F.cross_entropy(logits_BTV[:, :-1].reshape(-1, logits_BTV.shape[-1]).float(), input_ids_BT[:, 1:].reshape(-1))
+    return F.cross_entropy(
+        logits_BTV[:, :-1].reshape(-1, logits_BTV.shape[-1]).float(), input_ids_BT[:, 1:].reshape(-1)
+    )
 
 
 def kd_train(

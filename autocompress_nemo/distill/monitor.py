@@ -30,8 +30,9 @@ def _config_dict(cfg: Any) -> dict[str, Any]:
 
 
 class Monitor:
-    def __init__(self, out_dir: Path, cfg: Any, total_steps: int, start_step: int, enabled: bool,
-                 name: str = "distill") -> None:
+    def __init__(
+        self, out_dir: Path, cfg: Any, total_steps: int, start_step: int, enabled: bool, name: str = "distill"
+    ) -> None:
         self.enabled = enabled
         self.log_every = max(1, int(opt_field(cfg, "log_every", 10)))
         self.t0 = time.perf_counter()
@@ -43,8 +44,15 @@ class Monitor:
             return
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=total_steps, initial=start_step, desc=name, unit="step", dynamic_ncols=True,
-                        file=sys.stderr, mininterval=1.0)
+        self.bar = tqdm(
+            total=total_steps,
+            initial=start_step,
+            desc=name,
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+            mininterval=1.0,
+        )
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb_dir = out_dir / "tensorboard"

@@ -207,8 +207,12 @@ class TorchAdamW:
         no_decay = [p for p in self.params if p.ndim < 2]  # norms and biases: no weight decay
         groups = [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
         betas = (float(opt_field(cfg, "adam_beta1", 0.9)), float(opt_field(cfg, "adam_beta2", 0.95)))
-        self.opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.lr_peak, betas=betas,
-                                     eps=float(opt_field(cfg, "adam_eps", 1e-8)))
+        self.opt = torch.optim.AdamW(
+            [g for g in groups if g["params"]],
+            lr=self.lr_peak,
+            betas=betas,
+            eps=float(opt_field(cfg, "adam_eps", 1e-8)),
+        )
         self.lr = 0.0
 
     def zero_grad(self) -> None:
@@ -229,8 +233,9 @@ class TorchAdamW:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(coef)
-        self.lr = lr_at(step, lr=self.lr_peak, min_lr=self.min_lr, warmup_steps=self.warmup,
-                        total_steps=self.total_steps)
+        self.lr = lr_at(
+            step, lr=self.lr_peak, min_lr=self.min_lr, warmup_steps=self.warmup, total_steps=self.total_steps
+        )
         for g in self.opt.param_groups:
             g["lr"] = self.lr
         self.opt.step()
@@ -241,8 +246,10 @@ class TorchAdamW:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("kind") != self.name:
-            raise ValueError(f"checkpoint optimizer is {sd.get('kind')!r}, this run uses {self.name!r}; "
-                             "resume with the same optimizer (distill optimizer='torch' or 'megatron')")
+            raise ValueError(
+                f"checkpoint optimizer is {sd.get('kind')!r}, this run uses {self.name!r}; "
+                "resume with the same optimizer (distill optimizer='torch' or 'megatron')"
+            )
         self.opt.load_state_dict(sd["optimizer"])
 
 
@@ -253,16 +260,19 @@ class MegatronAdam:
 
     def __init__(self, model: torch.nn.Module, cfg: Any, total_steps: int, par: Parallel) -> None:
         if not torch.cuda.is_available():
-            raise RuntimeError("the Megatron optimizer path needs CUDA (Megatron's DDP allocates CUDA buffers); "
-                               "use optimizer='torch' on this machine")
+            raise RuntimeError(
+                "the Megatron optimizer path needs CUDA (Megatron's DDP allocates CUDA buffers); "
+                "use optimizer='torch' on this machine"
+            )
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         mcfg: Any = model.config
         wd = float(opt_field(cfg, "weight_decay", 0.0))
         self.par = par
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                use_distributed_optimizer=False)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
         self.ddp = DistributedDataParallel(config=mcfg, ddp_config=ddp_cfg, module=model)
         ocfg = OptimizerConfig(
             optimizer="adam",
@@ -279,9 +289,14 @@ class MegatronAdam:
             use_distributed_optimizer=False,
         )
         self.opt = get_megatron_optimizer(ocfg, [self.ddp])
-        self.sched = megatron_scheduler(self.opt, lr=float(cfg.lr), min_lr=float(cfg.min_lr),
-                                        warmup_steps=int(cfg.warmup_steps), total_steps=total_steps,
-                                        weight_decay=wd)
+        self.sched = megatron_scheduler(
+            self.opt,
+            lr=float(cfg.lr),
+            min_lr=float(cfg.min_lr),
+            warmup_steps=int(cfg.warmup_steps),
+            total_steps=total_steps,
+            weight_decay=wd,
+        )
         self.lr = 0.0
 
     def zero_grad(self) -> None:
@@ -297,8 +312,10 @@ class MegatronAdam:
         self.lr = float(self.opt.param_groups[0]["lr"])
         ok, grad_norm, _ = self.opt.step()
         if not ok:
-            raise FloatingPointError(f"distill step {step}: Megatron optimizer skipped the update "
-                                     "(inf/nan gradients); lower distill.lr or use bf16 instead of fp16")
+            raise FloatingPointError(
+                f"distill step {step}: Megatron optimizer skipped the update "
+                "(inf/nan gradients); lower distill.lr or use bf16 instead of fp16"
+            )
         return float(grad_norm or 0.0)
 
     def state_dict(self) -> dict[str, Any]:
@@ -306,8 +323,10 @@ class MegatronAdam:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("kind") != self.name:
-            raise ValueError(f"checkpoint optimizer is {sd.get('kind')!r}, this run uses {self.name!r}; "
-                             "resume with the same optimizer (distill optimizer='torch' or 'megatron')")
+            raise ValueError(
+                f"checkpoint optimizer is {sd.get('kind')!r}, this run uses {self.name!r}; "
+                "resume with the same optimizer (distill optimizer='torch' or 'megatron')"
+            )
         self.opt.load_state_dict(sd["optimizer"])
         self.sched.load_state_dict(sd["scheduler"])
 

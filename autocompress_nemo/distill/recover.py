@@ -76,8 +76,10 @@ def find_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
                 break
         if isinstance(obj, torch.nn.ModuleList | list) and len(obj):
             return list(obj)
-    raise ValueError(f"{type(m).__name__} has no decoder.layers / model.layers / layers: the intermediate "
-                     "loss cannot find its layers; set distill.intermediate_weight=0")
+    raise ValueError(
+        f"{type(m).__name__} has no decoder.layers / model.layers / layers: the intermediate "
+        "loss cannot find its layers; set distill.intermediate_weight=0"
+    )
 
 
 class HiddenCapture:
@@ -130,11 +132,15 @@ def _local_rows(x_BT: torch.Tensor, par: Parallel, batch_size: int) -> torch.Ten
     if x_BT.dim() != 2:
         raise ValueError(f"batch_at(step) must return token ids [B, T], got shape {tuple(x_BT.shape)}")
     if x_BT.shape[0] != batch_size:
-        raise ValueError(f"batch_at(step) returned {x_BT.shape[0]} sequences but distill.batch_size={batch_size}: "
-                         "the token budget assumes one global batch per step")
+        raise ValueError(
+            f"batch_at(step) returned {x_BT.shape[0]} sequences but distill.batch_size={batch_size}: "
+            "the token budget assumes one global batch per step"
+        )
     if batch_size % par.dp_size:
-        raise ValueError(f"distill.batch_size={batch_size} is not divisible by the data-parallel size "
-                         f"{par.dp_size}; choose a multiple of it")
+        raise ValueError(
+            f"distill.batch_size={batch_size} is not divisible by the data-parallel size "
+            f"{par.dp_size}; choose a multiple of it"
+        )
     n = batch_size // par.dp_size
     return x_BT[par.dp_rank * n : (par.dp_rank + 1) * n]
 
@@ -171,8 +177,10 @@ def distill(
     out = Path(out_dir)
     par = Parallel.detect()
     if par.pp_size > 1:
-        raise ValueError("distill runs without pipeline parallelism (forward_logits needs every layer on one "
-                         "rank); set cluster.pp=1 (or cluster.stage_layouts.distill.pp=1)")
+        raise ValueError(
+            "distill runs without pipeline parallelism (forward_logits needs every layer on one "
+            "rank); set cluster.pp=1 (or cluster.stage_layouts.distill.pp=1)"
+        )
     if par.is_rank0:
         out.mkdir(parents=True, exist_ok=True)
     steps = num_steps(cfg)
@@ -185,8 +193,12 @@ def distill(
         p.requires_grad_(False)
     student.train()
     opt = build_optimizer(optimizer, student, cfg, steps, par)
-    store = CheckpointStore(out / "checkpoints", par, _fingerprint(cfg, steps, seed, opt.name),
-                            keep=int(opt_field(cfg, "keep_checkpoints", 2)))
+    store = CheckpointStore(
+        out / "checkpoints",
+        par,
+        _fingerprint(cfg, steps, seed, opt.name),
+        keep=int(opt_field(cfg, "keep_checkpoints", 2)),
+    )
 
     start, history = 0, []
     state = store.load(log=say)
@@ -237,15 +249,30 @@ def distill(
                 raise FloatingPointError(f"{name} step {step}: loss is {loss_mean}; lower distill.lr")
             n_tok = int(x_BT.numel())
             tokens_run += n_tok
-            row = {"step": step, "loss": loss_mean, "kd": kd_mean, "hidden": hid_mean, "lr": opt.lr,
-                   "grad_norm": grad_norm, "tokens": (history[-1]["tokens"] if history else 0) + n_tok,
-                   "step_s": time.perf_counter() - t_step}
+            row = {
+                "step": step,
+                "loss": loss_mean,
+                "kd": kd_mean,
+                "hidden": hid_mean,
+                "lr": opt.lr,
+                "grad_norm": grad_norm,
+                "tokens": (history[-1]["tokens"] if history else 0) + n_tok,
+                "step_s": time.perf_counter() - t_step,
+            }
             history.append(row)
             mon.update(row, n_tok)
             done = step + 1
             if done == steps or (every > 0 and done % every == 0):
-                last_ckpt = store.save(done, {"model": student.state_dict(), "optimizer": opt.state_dict(),
-                                              "rng": rng_state(), "step": done, "history": history})
+                last_ckpt = store.save(
+                    done,
+                    {
+                        "model": student.state_dict(),
+                        "optimizer": opt.state_dict(),
+                        "rng": rng_state(),
+                        "step": done,
+                        "history": history,
+                    },
+                )
     finally:
         mon.close()
         if s_cap is not None and t_cap is not None:
@@ -275,6 +302,8 @@ def distill(
     }
     if par.is_rank0:
         write_json_atomic(out / "distill_summary.json", {k: v for k, v in result.items() if k != "history"})
-    say(f"{name}: {steps} steps, {result['tokens']} tokens, loss {result['first_loss']} -> {result['final_loss']}, "
-        f"{result['tokens_per_s']:.0f} tok/s this run")
+    say(
+        f"{name}: {steps} steps, {result['tokens']} tokens, loss {result['first_loss']} -> {result['final_loss']}, "
+        f"{result['tokens_per_s']:.0f} tok/s this run"
+    )
     return result

@@ -39,8 +39,9 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
     return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * ratio))
 
 
-def megatron_scheduler(optimizer: Any, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int,
-                       weight_decay: float) -> Any:
+def megatron_scheduler(
+    optimizer: Any, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int, weight_decay: float
+) -> Any:
     """Megatron's ``OptimizerParamScheduler`` set up for the schedule above.
 
     Step it with ``step(increment=1)`` *before* each optimizer step: after ``s + 1``

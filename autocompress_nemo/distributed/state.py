@@ -122,5 +122,8 @@ def tensor_parallel() -> tuple[Any, int, int]:
 
     if not ps.model_parallel_is_initialized():
         return None, 0, 1
-    return (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(),
-            ps.get_tensor_model_parallel_world_size())
+    return (
+        ps.get_tensor_model_parallel_group(),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+    )

@@ -68,8 +68,12 @@ def _constraints(target: Any) -> list[Any]:
     return list(getattr(budget, "constraints", None) or [])
 
 
-def budget_checks(measured: dict[str, Any], predicted: dict[str, Any] | None, target: Any,
-                  parent_measured: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def budget_checks(
+    measured: dict[str, Any],
+    predicted: dict[str, Any] | None,
+    target: Any,
+    parent_measured: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
     """One row per budget constraint: metric, as given, absolute budget, measured, predicted, pass."""
     rows: list[dict[str, Any]] = []
     batch = int(measured.get("batch", 1) or 1)
@@ -78,16 +82,32 @@ def budget_checks(measured: dict[str, Any], predicted: dict[str, Any] | None, ta
         try:
             resolved = resolve_budget([c], parent_measured or {}, batch=batch)
         except ValueError as e:
-            rows.append({"metric": metric, "value": str(value), "budget": None, "measured": None,
-                         "predicted": None, "pass": None, "note": f"cannot resolve: {e}"})
+            rows.append(
+                {
+                    "metric": metric,
+                    "value": str(value),
+                    "budget": None,
+                    "measured": None,
+                    "predicted": None,
+                    "pass": None,
+                    "note": f"cannot resolve: {e}",
+                }
+            )
             continue
         ((m_abs, b_abs),) = resolved.items()
         m_abs = _ALIASES.get(m_abs, m_abs)
         meas = measured.get(m_abs)
         pred = predicted.get(m_abs) if predicted else None
-        row = {"metric": metric, "value": str(value), "checked_as": m_abs, "budget": b_abs, "measured": meas,
-               "predicted": pred, "pass": bool(meas is not None and meas <= b_abs),
-               "margin_pct": (100.0 * (b_abs - meas) / b_abs) if meas is not None and b_abs else None}
+        row = {
+            "metric": metric,
+            "value": str(value),
+            "checked_as": m_abs,
+            "budget": b_abs,
+            "measured": meas,
+            "predicted": pred,
+            "pass": bool(meas is not None and meas <= b_abs),
+            "margin_pct": (100.0 * (b_abs - meas) / b_abs) if meas is not None and b_abs else None,
+        }
         if metric == "throughput_tps":  # also in the unit the user wrote
             row["measured_throughput_tps"] = measured.get("throughput_tps")
         rows.append(row)
@@ -106,9 +126,18 @@ def prediction_error(measured: dict[str, Any], predicted: dict[str, Any] | None)
     return out
 
 
-def engine_check(spec: ArchSpec, target: Any, *, weights: Any = None, predictor: Any = None,
-                 parent_measured: dict[str, Any] | None = None, engine: Any = None, workdir: Any = None,
-                 measurement: Measurement | None = None, **measure_kw: Any) -> dict[str, Any]:
+def engine_check(
+    spec: ArchSpec,
+    target: Any,
+    *,
+    weights: Any = None,
+    predictor: Any = None,
+    parent_measured: dict[str, Any] | None = None,
+    engine: Any = None,
+    workdir: Any = None,
+    measurement: Measurement | None = None,
+    **measure_kw: Any,
+) -> dict[str, Any]:
     """Measure ``spec`` (with ``weights``) in ``target``'s engine and check every budget.
 
     ``predictor``: a ``costs.Predictor`` for the prediction next to each figure (optional).
@@ -134,8 +163,12 @@ def engine_check(spec: ArchSpec, target: Any, *, weights: Any = None, predictor:
     return {
         "source": source_label(engine, m),
         "engine": engine.provenance(),
-        "workload": {"batch": wl.batch, "input_len": wl.input_len, "output_len": wl.output_len,
-                     "context_len": wl.context_len},
+        "workload": {
+            "batch": wl.batch,
+            "input_len": wl.input_len,
+            "output_len": wl.output_len,
+            "context_len": wl.context_len,
+        },
         "measured": measured,
         "predicted": predicted,
         "checks": checks,

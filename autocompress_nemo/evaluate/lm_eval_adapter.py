@@ -41,8 +41,17 @@ Forward = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
 class TorchLM(LM):
     """lm-eval ``LM`` over (model, forward, tokenizer); see the module docstring."""
 
-    def __init__(self, model: torch.nn.Module, forward: Forward, tokenizer: Any, *, max_length: int = 2048,
-                 batch_size: int = 8, max_gen_toks: int = 64, name: str = "model") -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        forward: Forward,
+        tokenizer: Any,
+        *,
+        max_length: int = 2048,
+        batch_size: int = 8,
+        max_gen_toks: int = 64,
+        name: str = "model",
+    ) -> None:
         super().__init__()
         self.model, self.forward, self.tokenizer = model, forward, tokenizer
         self.max_length, self.batch_size, self.max_gen_toks, self.name = max_length, batch_size, max_gen_toks, name
@@ -50,8 +59,10 @@ class TorchLM(LM):
         bos = getattr(tokenizer, "bos_token_id", None)
         prefix = bos if bos is not None else eos
         if prefix is None:
-            raise ValueError("the tokenizer has neither bos_token_id nor eos_token_id: lm-eval needs a prefix "
-                             "token for empty contexts and rolling windows")
+            raise ValueError(
+                "the tokenizer has neither bos_token_id nor eos_token_id: lm-eval needs a prefix "
+                "token for empty contexts and rolling windows"
+            )
         self.prefix_token_id: int = int(prefix)
         self.eos_token_id = eos
         self.pad_token_id = int(getattr(tokenizer, "pad_token_id", None) or self.prefix_token_id)
@@ -72,7 +83,7 @@ class TorchLM(LM):
             continuation, context = context[-n_spaces:] + continuation, context[:-n_spaces]
         whole = self.tok_encode(context + continuation)
         ctx = self.tok_encode(context)
-        return ctx, whole[len(ctx):]
+        return ctx, whole[len(ctx) :]
 
     # -- scoring core -------------------------------------------------------------------------
     @torch.no_grad()
@@ -102,7 +113,7 @@ class TorchLM(LM):
                 raise ValueError("lm-eval request with an empty continuation cannot be scored")
             if len(cont) > self.max_length:
                 raise ValueError(f"continuation of {len(cont)} tokens is longer than max_length={self.max_length}")
-            full = (ctx + cont)[-(self.max_length + 1):]  # left-truncate the context
+            full = (ctx + cont)[-(self.max_length + 1) :]  # left-truncate the context
             seqs.append(full[:-1])  # row j of the log-probs predicts full[j + 1]
         results = []
         for (_ctx, cont), logp_TV in zip(pairs, self._logprobs(seqs, [len(c) for _, c in pairs]), strict=True):
@@ -155,7 +166,7 @@ class TorchLM(LM):
             new: list[int] = []
             text = ""
             for _ in range(max_new):
-                window = (ids + new)[-self.max_length:]
+                window = (ids + new)[-self.max_length :]
                 nxt = int(self._logprobs([window])[0][-1].argmax())
                 if self.eos_token_id is not None and nxt == self.eos_token_id:
                     break
@@ -171,9 +182,19 @@ class TorchLM(LM):
         return out
 
 
-def run_lm_eval(model: torch.nn.Module, forward: Forward, tokenizer: Any, tasks: list[str], *,
-                include_path: str | None = None, limit: int | float | None = None, num_fewshot: int | None = None,
-                max_length: int = 2048, batch_size: int = 8, seed: int = 1234) -> dict[str, Any]:
+def run_lm_eval(
+    model: torch.nn.Module,
+    forward: Forward,
+    tokenizer: Any,
+    tasks: list[str],
+    *,
+    include_path: str | None = None,
+    limit: int | float | None = None,
+    num_fewshot: int | None = None,
+    max_length: int = 2048,
+    batch_size: int = 8,
+    seed: int = 1234,
+) -> dict[str, Any]:
     """Run lm-eval ``tasks`` on ``model``; returns ``{"results": {task: {metric: value}}, ...}``.
 
     ``include_path``: a directory of task YAMLs (local tasks); hub datasets need network access.
@@ -183,10 +204,19 @@ def run_lm_eval(model: torch.nn.Module, forward: Forward, tokenizer: Any, tasks:
 
     lm = TorchLM(model, forward, tokenizer, max_length=max_length, batch_size=batch_size)
     tm = TaskManager(include_path=include_path) if include_path else TaskManager()
-    res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
-                                  num_fewshot=num_fewshot, random_seed=seed, numpy_random_seed=seed,
-                                  torch_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=0,
-                                  log_samples=False)
+    res = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=list(tasks),
+        task_manager=tm,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+        bootstrap_iters=0,
+        log_samples=False,
+    )
     if res is None:  # only on non-zero ranks of a multi-process lm-eval run
         return {}
     table = {
@@ -199,5 +229,10 @@ def run_lm_eval(model: torch.nn.Module, forward: Forward, tokenizer: Any, tasks:
         lm_eval_version = version("lm_eval")
     except Exception:  # noqa: BLE001
         lm_eval_version = "unknown"
-    return {"results": table, "n_samples": res.get("n-samples", {}), "limit": limit, "num_fewshot": num_fewshot,
-            "lm_eval_version": lm_eval_version}
+    return {
+        "results": table,
+        "n_samples": res.get("n-samples", {}),
+        "limit": limit,
+        "num_fewshot": num_fewshot,
+        "lm_eval_version": lm_eval_version,
+    }

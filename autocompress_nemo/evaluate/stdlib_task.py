@@ -17,8 +17,9 @@ from pathlib import Path
 TASK = "stdlib_next_line"
 
 
-def make_items(texts: Sequence[str], n_items: int, seed: int, context_lines: int = 12,
-               n_choices: int = 4) -> list[dict]:
+def make_items(
+    texts: Sequence[str], n_items: int, seed: int, context_lines: int = 12, n_choices: int = 4
+) -> list[dict]:
     """Multiple-choice items from documents: ``{context, choices, label}``."""
     rng = random.Random(seed)
     lines_by_doc = [t.splitlines() for t in texts if t.strip()]
@@ -26,7 +27,9 @@ def make_items(texts: Sequence[str], n_items: int, seed: int, context_lines: int
     if len(pool) < n_choices * 4:
         raise ValueError(f"{TASK}: held-out text has only {len(pool)} usable lines; add held-out documents")
     candidates = [
-        (d, i) for d, lines in enumerate(lines_by_doc) for i in range(context_lines, len(lines))
+        (d, i)
+        for d, lines in enumerate(lines_by_doc)
+        for i in range(context_lines, len(lines))
         if len(lines[i].strip()) > 8
     ]
     rng.shuffle(candidates)
@@ -41,8 +44,7 @@ def make_items(texts: Sequence[str], n_items: int, seed: int, context_lines: int
                 wrong.append(w)
         label = rng.randrange(n_choices)
         choices = wrong[:label] + [true] + wrong[label:]
-        items.append({"context": "\n".join(lines[i - context_lines:i]) + "\n",
-                      "choices": choices, "label": label})
+        items.append({"context": "\n".join(lines[i - context_lines : i]) + "\n", "choices": choices, "label": label})
     return items
 
 

@@ -69,8 +69,15 @@ def hf_name(i: int | None, part: str) -> str:
 
 
 _GGUF_PART = {
-    "attn_norm": "attn_norm", "q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
-    "ffn_norm": "ffn_norm", "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
+    "attn_norm": "attn_norm",
+    "q": "attn_q",
+    "k": "attn_k",
+    "v": "attn_v",
+    "o": "attn_output",
+    "ffn_norm": "ffn_norm",
+    "gate": "ffn_gate",
+    "up": "ffn_up",
+    "down": "ffn_down",
 }
 
 
@@ -130,8 +137,12 @@ def _encode(w: np.ndarray, dtype: str) -> tuple[np.ndarray, Any]:
         return w, None
     if dtype == "f16":
         return w.astype(np.float16), None
-    qtype = {"bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
-             "q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1}.get(dtype)
+    qtype = {
+        "bf16": gguf.GGMLQuantizationType.BF16,
+        "q8_0": gguf.GGMLQuantizationType.Q8_0,
+        "q4_0": gguf.GGMLQuantizationType.Q4_0,
+        "q4_1": gguf.GGMLQuantizationType.Q4_1,
+    }.get(dtype)
     if qtype is None:
         raise ValueError(f"write_gguf: dtype {dtype!r} not supported; use one of {sorted(_FTYPE)}")
     return gguf.quants.quantize(w, qtype), qtype
@@ -168,10 +179,15 @@ def write_gguf(
     shapes = expected_hf_shapes(spec)
     if weights is not None:
         missing = [k for k in shapes if k not in weights]
-        bad = [f"{k}: {tuple(weights[k].shape)} != {s}" for k, s in shapes.items()
-               if k in weights and tuple(weights[k].shape) != s]
+        bad = [
+            f"{k}: {tuple(weights[k].shape)} != {s}"
+            for k, s in shapes.items()
+            if k in weights and tuple(weights[k].shape) != s
+        ]
         if missing or bad:
-            raise ValueError(f"write_gguf: weights do not match the spec; missing {missing[:5]}, wrong shapes {bad[:5]}")
+            raise ValueError(
+                f"write_gguf: weights do not match the spec; missing {missing[:5]}, wrong shapes {bad[:5]}"
+            )
 
     def get(name: str) -> np.ndarray:
         if weights is not None:
@@ -274,8 +290,11 @@ def _copy_tokenizer(w: Any, src: Path, vocab: int) -> None:
     per_token = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
     for key, val, vtype, sub in _tokenizer_fields(src):
         if key in per_token and len(val) != vocab:
-            pad = {"tokenizer.ggml.tokens": lambda i: f"<extra_{i}>".encode(),
-                   "tokenizer.ggml.token_type": lambda i: 1, "tokenizer.ggml.scores": lambda i: 0.0}[key]
+            pad = {
+                "tokenizer.ggml.tokens": lambda i: f"<extra_{i}>".encode(),
+                "tokenizer.ggml.token_type": lambda i: 1,
+                "tokenizer.ggml.scores": lambda i: 0.0,
+            }[key]
             val = val[:vocab] + [pad(i) for i in range(len(val), vocab)]
         if sub is not None:
             w.add_key_value(key, val, vtype, sub_type=sub)
@@ -315,7 +334,10 @@ def spec_from_gguf(path: str | Path) -> ArchSpec:
         blocks += [AttentionBlock(heads[i], kv[i] if heads[i] else 0, hd), MlpBlock(ffn[i])]
     names = {t.name for t in r.tensors}
     return ArchSpec(
-        hidden=h, vocab=vocab, blocks=tuple(blocks), name=str(val("general.name", "")),
+        hidden=h,
+        vocab=vocab,
+        blocks=tuple(blocks),
+        name=str(val("general.name", "")),
         tied_embeddings="output.weight" not in names,
         norm_eps=float(val(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(val(f"{arch}.rope.freq_base", 10000.0)),

@@ -27,7 +27,11 @@ def check_child(parent: ArchSpec, child: ArchSpec) -> None:
         if pb.kind != cb.kind:
             problems.append(f"block {i}: kind {cb.kind} != parent's {pb.kind}")
         elif pb.kind == "attention" and not cb.removed:
-            if cb.num_kv_groups > pb.num_kv_groups or cb.heads_per_group > pb.heads_per_group or cb.head_dim != pb.head_dim:
+            if (
+                cb.num_kv_groups > pb.num_kv_groups
+                or cb.heads_per_group > pb.heads_per_group
+                or cb.head_dim != pb.head_dim
+            ):
                 problems.append(f"block {i}: attention {cb} is not a prefix of the parent's {pb}")
         elif pb.kind == "mlp" and cb.ffn > pb.ffn:
             problems.append(f"block {i}: ffn {cb.ffn} > parent's {pb.ffn}")
@@ -70,5 +74,7 @@ def slice_state_dict(parent: ArchSpec, sorted_sd: dict[str, torch.Tensor], child
                 if key in sorted_sd:
                     out[key] = sorted_sd[key][:f, :hk].clone()
             out[pre + "mlp.down_proj.weight"] = sorted_sd[pre + "mlp.down_proj.weight"][:hk, :f].clone()
-            out[pre + "post_attention_layernorm.weight"] = sorted_sd[pre + "post_attention_layernorm.weight"][:hk].clone()
+            out[pre + "post_attention_layernorm.weight"] = sorted_sd[pre + "post_attention_layernorm.weight"][
+                :hk
+            ].clone()
     return out

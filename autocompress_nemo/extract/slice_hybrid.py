@@ -34,19 +34,33 @@ def check_hybrid_child(parent: ArchSpec, child: ArchSpec) -> None:
             continue
         if p.kind != c.kind:
             problems.append(f"block {i}: kind {c.kind} != parent's {p.kind}")
-        elif isinstance(c, AttentionBlock) and (c.num_kv_groups > p.num_kv_groups or c.heads_per_group > p.heads_per_group  # type: ignore[union-attr]
-                                                or c.head_dim != p.head_dim):  # type: ignore[union-attr]
+        elif isinstance(c, AttentionBlock) and (
+            c.num_kv_groups > p.num_kv_groups
+            or c.heads_per_group > p.heads_per_group  # type: ignore[union-attr]
+            or c.head_dim != p.head_dim
+        ):  # type: ignore[union-attr]
             problems.append(f"block {i}: attention {c} is not a prefix of {p}")
         elif isinstance(c, MlpBlock) and c.ffn > p.ffn:  # type: ignore[union-attr]
             problems.append(f"block {i}: ffn {c.ffn} > parent's {p.ffn}")  # type: ignore[union-attr]
-        elif isinstance(c, MoeBlock) and isinstance(p, MoeBlock) and (
-                c.num_experts > p.num_experts or c.expert_ffn > p.expert_ffn or c.shared_ffn > p.shared_ffn
-                or (c.num_experts and c.latent != p.latent) or c.activation != p.activation):
+        elif (
+            isinstance(c, MoeBlock)
+            and isinstance(p, MoeBlock)
+            and (
+                c.num_experts > p.num_experts
+                or c.expert_ffn > p.expert_ffn
+                or c.shared_ffn > p.shared_ffn
+                or (c.num_experts and c.latent != p.latent)
+                or c.activation != p.activation
+            )
+        ):
             problems.append(f"block {i}: MoE {c} is not a prefix of {p}")
         elif isinstance(c, MambaBlock) and isinstance(p, MambaBlock):
             hpg = p.num_heads // p.num_groups
-            if (c.head_dim, c.state_size, c.conv_kernel) != (p.head_dim, p.state_size, p.conv_kernel) or \
-                    c.num_heads > p.num_heads or c.num_heads != c.num_groups * hpg:
+            if (
+                (c.head_dim, c.state_size, c.conv_kernel) != (p.head_dim, p.state_size, p.conv_kernel)
+                or c.num_heads > p.num_heads
+                or c.num_heads != c.num_groups * hpg
+            ):
                 problems.append(f"block {i}: Mamba {c} must keep whole groups of {hpg} heads of {p}")
     if problems:
         raise ValueError("child architecture is not a sub-network of the parent: " + "; ".join(problems))
@@ -62,8 +76,9 @@ def _mamba_rows(p: MambaBlock, c: MambaBlock, conv: bool) -> torch.Tensor:
     return torch.cat([ar(dk), di + ar(dk), 2 * di + ar(gk), 2 * di + gn + ar(gk), 2 * di + 2 * gn + ar(c.num_heads)])
 
 
-def _slice_block(parent: ArchSpec, i: int, role: str, t: torch.Tensor, shape: tuple[int, ...],
-                 child_block: object) -> torch.Tensor:
+def _slice_block(
+    parent: ArchSpec, i: int, role: str, t: torch.Tensor, shape: tuple[int, ...], child_block: object
+) -> torch.Tensor:
     p, c = parent.blocks[i], child_block
     if isinstance(p, AttentionBlock) and isinstance(c, AttentionBlock) and role in ("q", "o"):
         heads = kept_heads(p.heads_per_group, c.num_kv_groups, c.heads_per_group)
@@ -75,8 +90,9 @@ def _slice_block(parent: ArchSpec, i: int, role: str, t: torch.Tensor, shape: tu
     return t[tuple(slice(0, n) for n in shape)]
 
 
-def slice_hybrid_state_dict(parent: ArchSpec, sorted_sd: dict[str, torch.Tensor],
-                            child: ArchSpec) -> dict[str, torch.Tensor]:
+def slice_hybrid_state_dict(
+    parent: ArchSpec, sorted_sd: dict[str, torch.Tensor], child: ArchSpec
+) -> dict[str, torch.Tensor]:
     """The child's Hugging Face-named state dict: prefixes of the sorted parent (contiguous copies)."""
     check_hybrid_child(parent, child)
     names = hf_names(parent)

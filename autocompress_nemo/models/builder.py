@@ -330,8 +330,9 @@ def build_model(
     from autocompress_nemo.models.hybrid import build_hybrid_model, is_hybrid
 
     if is_hybrid(spec):  # MoE / Mamba blocks, or a nemotron_h / qwen3_moe family: HybridModel
-        return build_hybrid_model(spec, params_dtype=params_dtype, sequence_parallel=sequence_parallel,
-                                  init_seed=init_seed, impl=impl)
+        return build_hybrid_model(
+            spec, params_dtype=params_dtype, sequence_parallel=sequence_parallel, init_seed=init_seed, impl=impl
+        )
     if kinds <= {"attention", "mlp"} and spec.is_dense_layered():
         model = _build_dense_gpt(spec, params_dtype, sequence_parallel, init_seed, impl, qk_layernorm, qkv_bias)
     else:

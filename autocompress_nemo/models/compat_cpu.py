@@ -166,10 +166,25 @@ def _causal_decay(cs: torch.Tensor) -> torch.Tensor:
     return torch.exp((cs[..., :, None] - cs[..., None, :]).masked_fill(~causal, float("-inf")))
 
 
-def _ssd_scan_reference(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,  # noqa: ANN001, ANN201
-                        initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
-                        dt_limit=(0.0, float("inf")), return_final_states=False,
-                        return_varlen_states=False, **_ignored):
+def _ssd_scan_reference(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    D=None,
+    z=None,
+    dt_bias=None,  # noqa: ANN001, ANN201
+    initial_states=None,
+    seq_idx=None,
+    cu_seqlens=None,
+    dt_softplus=False,
+    dt_limit=(0.0, float("inf")),
+    return_final_states=False,
+    return_varlen_states=False,
+    **_ignored,
+):
     """``mamba_chunk_scan_combined`` (Mamba-2 SSD) in plain PyTorch, chunk by chunk.
 
     Shapes: x ``[b, L, h, p]``, dt ``[b, L, h]``, A ``[h]``, B/C ``[b, L, g, n]``. With
@@ -196,6 +211,7 @@ def _ssd_scan_reference(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None
     g, n = B.shape[2], B.shape[3]
     pad = (-L) % chunk_size  # zero-padding at the end cannot change earlier outputs of a causal scan
     if pad:
+
         def _p(t):  # noqa: ANN001, ANN202 - pad the sequence dim (dim 1) at the end
             return None if t is None else torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
 
@@ -216,8 +232,9 @@ def _ssd_scan_reference(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None
     scores = (CB * _causal_decay(cs).permute(0, 2, 1, 3, 4)).to(x.dtype)
     y = torch.einsum("bchls,bhcs,bcshp->bclhp", scores, dt.to(x.dtype), xc)
     # each chunk's end state, then the states entering each chunk (chunk totals, initial state 0)
-    end = torch.einsum("bclhn,bhcl,bhcl,bclhp->bchpn", Bc, torch.exp(cs[..., -1:] - cs).to(x.dtype),
-                       dt.to(x.dtype), xc).float()
+    end = torch.einsum(
+        "bclhn,bhcl,bhcl,bclhp->bchpn", Bc, torch.exp(cs[..., -1:] - cs).to(x.dtype), dt.to(x.dtype), xc
+    ).float()
     end = torch.cat([torch.zeros_like(end[:, :1]), end], dim=1).reshape(b, c + 1, h, p * n)
     totals = torch.nn.functional.pad(cs[..., -1], (1, 0)).cumsum(dim=-1)  # [b, h, c + 1]
     prev = torch.einsum("bhzc,bchd->bzhd", _causal_decay(totals), end)[:, :-1].reshape(b, c, h, p, n)
@@ -230,8 +247,15 @@ def _ssd_scan_reference(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None
     return y[:, :L]
 
 
-def _gated_rmsnorm_reference(x, weight, bias, z=None, eps=1e-6, group_size=None,  # noqa: ANN001, ANN201
-                             norm_before_gate=True):
+def _gated_rmsnorm_reference(
+    x,
+    weight,
+    bias,
+    z=None,
+    eps=1e-6,
+    group_size=None,  # noqa: ANN001, ANN201
+    norm_before_gate=True,
+):
     from mamba_ssm.ops.triton.layernorm_gated import rms_norm_ref
 
     return rms_norm_ref(x, weight, bias, z=z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
@@ -272,9 +296,20 @@ def _patch_mamba_reference_ops() -> None:
 class DuplicatedLinear(torch.nn.Module):
     """A replicated linear layer with TE ``TELinear``'s call signature (``parallel_mode='duplicated'``)."""
 
-    def __init__(self, input_size: int, output_size: int, *, config, init_method, bias: bool,  # noqa: ANN001
-                 skip_bias_add: bool, parallel_mode: str = "duplicated", skip_weight_param_allocation: bool = False,
-                 is_expert: bool = False, **_: object) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config,
+        init_method,
+        bias: bool,  # noqa: ANN001
+        skip_bias_add: bool,
+        parallel_mode: str = "duplicated",
+        skip_weight_param_allocation: bool = False,
+        is_expert: bool = False,
+        **_: object,
+    ) -> None:
         super().__init__()
         if parallel_mode != "duplicated" or skip_weight_param_allocation:
             raise NotImplementedError(f"DuplicatedLinear: parallel_mode={parallel_mode!r} is not supported")
@@ -319,7 +354,9 @@ PATCHES: list[Patch] = [
     Patch("current_device", "torch.cuda.current_device() used as the allocation device", _patch_current_device),
     Patch("rng_tracker", "tensor-parallel RNG tracker keeps CUDA generator states", _patch_rng_tracker),
     Patch("causal_mask", "default causal mask built with device='cuda'", _patch_causal_mask),
-    Patch("mamba_reference_ops", "mamba-ssm CUDA/Triton kernels -> its PyTorch reference ops", _patch_mamba_reference_ops),
+    Patch(
+        "mamba_reference_ops", "mamba-ssm CUDA/Triton kernels -> its PyTorch reference ops", _patch_mamba_reference_ops
+    ),
     Patch("latent_moe_linear", "LatentMoE projections are TE TELinear layers", _patch_latent_moe_linear),
     Patch("router_jit", "torch.compile'd MoE router helper (30 s C++ compile on CPU)", _patch_router_jit),
 ]

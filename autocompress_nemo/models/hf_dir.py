@@ -14,8 +14,14 @@ from autocompress_nemo.arch.spec import ArchSpec
 SHARD_BYTES = 4 * 1024**3
 
 
-def write_hf_dir(out_dir: str | os.PathLike[str], cfg: dict[str, Any], sd: dict[str, torch.Tensor], spec: ArchSpec,
-                 tokenizer: Any = None, dtype: torch.dtype = torch.float32) -> Path:
+def write_hf_dir(
+    out_dir: str | os.PathLike[str],
+    cfg: dict[str, Any],
+    sd: dict[str, torch.Tensor],
+    spec: ArchSpec,
+    tokenizer: Any = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
     """Write ``config.json``, ``model.safetensors`` (sharded above 4 GiB, with an index),
     ``arch.json`` (the spec) and the tokenizer into ``out_dir``."""
     from safetensors.torch import save_file
@@ -49,7 +55,9 @@ def write_hf_dir(out_dir: str | os.PathLike[str], cfg: dict[str, Any], sd: dict[
     return out
 
 
-def read_hf_dir(path: str | os.PathLike[str], tokenizer: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor], Any]:
+def read_hf_dir(
+    path: str | os.PathLike[str], tokenizer: bool = True
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], Any]:
     """``(config dict, float32 state dict, tokenizer or None)`` of a Hugging Face directory."""
     from safetensors.torch import load_file
 
@@ -58,8 +66,11 @@ def read_hf_dir(path: str | os.PathLike[str], tokenizer: bool = True) -> tuple[d
         raise FileNotFoundError(f"no config.json in {d}: not a Hugging Face model directory")
     cfg = json.loads((d / "config.json").read_text())
     index = d / "model.safetensors.index.json"
-    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
-             else sorted(p.name for p in d.glob("*.safetensors")))
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.is_file()
+        else sorted(p.name for p in d.glob("*.safetensors"))
+    )
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {d} (PyTorch .bin checkpoints are not supported)")
     sd: dict[str, torch.Tensor] = {}

@@ -43,8 +43,16 @@ GB = 1e9
 
 
 def _stage_memory(
-    stage: str, layout: ParallelLayout, model: ArchSpec, teacher: ArchSpec | None, cl: Any, *,
-    seq_len: int, global_batch: int, trainable: bool, backward: bool,
+    stage: str,
+    layout: ParallelLayout,
+    model: ArchSpec,
+    teacher: ArchSpec | None,
+    cl: Any,
+    *,
+    seq_len: int,
+    global_batch: int,
+    trainable: bool,
+    backward: bool,
 ) -> dict[str, Any]:
     """Per-GPU memory of the most loaded pipeline stage (bytes, by part)."""
     L = layout
@@ -74,7 +82,9 @@ def _stage_memory(
         else:
             part["activations"] = mt.forward_only_peak_bytes(blocks, model.hidden, s, mb, L.tp, L.etp, L.sp)
         if i == L.pp - 1:
-            part["logits"] = mt.logits_bytes(model.vocab, s, mb, L.tp, with_teacher=teacher is not None or stage == "search", trainable=backward)
+            part["logits"] = mt.logits_bytes(
+                model.vocab, s, mb, L.tp, with_teacher=teacher is not None or stage == "search", trainable=backward
+            )
         if teacher is not None and t_ranges is not None:
             tb = [teacher.blocks[j] for j in t_ranges[i]]
             td, te = mt.dense_and_expert_params(tb, teacher.hidden)
@@ -154,7 +164,11 @@ def build_plan(cfg: Any) -> dict[str, Any]:
             "budget_checks": reach["checks"],
         },
         "stages": {},
-        "cluster": {"name": str(cfg.cluster.name), "kind": str(cfg.cluster.kind), "gpu": str(cfg.cluster.get("gpu", ""))},
+        "cluster": {
+            "name": str(cfg.cluster.name),
+            "kind": str(cfg.cluster.kind),
+            "gpu": str(cfg.cluster.get("gpu", "")),
+        },
     }
     teacher_student = student if student is not None else parent
     for stage in DISTRIBUTED_STAGES:
@@ -167,14 +181,30 @@ def build_plan(cfg: Any) -> dict[str, Any]:
             model, teacher, seq = parent, None, int(cfg.search.seq_len)
             trainable = stage == "search" and bool(cfg.search.train_weights)
             backward = stage == "search"  # router gradients flow back through the whole supernet
-        problems = layout_problems(layout, parent, seq_len=seq, global_batch=batch, micro_batch=int(cfg.cluster.micro_batch_size))
+        problems = layout_problems(
+            layout, parent, seq_len=seq, global_batch=batch, micro_batch=int(cfg.cluster.micro_batch_size)
+        )
         if stage == "distill" and model is not parent:
-            problems += [p for p in layout_problems(layout, model, seq_len=seq, global_batch=batch,
-                                                    micro_batch=int(cfg.cluster.micro_batch_size)) if p not in problems]
+            problems += [
+                p
+                for p in layout_problems(
+                    layout, model, seq_len=seq, global_batch=batch, micro_batch=int(cfg.cluster.micro_batch_size)
+                )
+                if p not in problems
+            ]
         entry: dict[str, Any] = {"layout": layout.to_dict(), "layout_text": layout.describe(), "problems": problems}
         if not problems:
-            entry["memory"] = _stage_memory(stage, layout, model, teacher, cfg.cluster, seq_len=seq,
-                                            global_batch=batch, trainable=trainable, backward=backward)
+            entry["memory"] = _stage_memory(
+                stage,
+                layout,
+                model,
+                teacher,
+                cfg.cluster,
+                seq_len=seq,
+                global_batch=batch,
+                trainable=trainable,
+                backward=backward,
+            )
         plan["stages"][stage] = entry
     return plan
 
@@ -203,7 +233,9 @@ def render_markdown(plan: dict[str, Any]) -> str:
     rows = [("parent", m["params"], sv["parent"], sv["parent_fits"])]
     if sv["student"] is not None:
         rows.append(("budget-sized student", sv["student_params"], sv["student"], sv["student_fits"]))
-    rows.append(("smallest in search space", sv["smallest_in_space"]["params"], sv["smallest_in_space"]["serving"], None))
+    rows.append(
+        ("smallest in search space", sv["smallest_in_space"]["params"], sv["smallest_in_space"]["serving"], None)
+    )
     for name, p, s, fits in rows:
         lines.append(
             f"| {name} | {p / 1e9:,.2f} B | {_gb(s['weights'])} | {_gb(s['kv_cache'])} | {_gb(s['ssm_state'])} | "
@@ -211,9 +243,12 @@ def render_markdown(plan: dict[str, Any]) -> str:
         )
     excess = sv["parent"]["total"] - sv["memory_per_instance_bytes"]
     if excess > 0:
-        lines += ["", f"Why the parent does not fit: it needs {_gb(sv['parent']['total'])} against {_gb(sv['memory_per_instance_bytes'])}; "
-                  f"the student must shed at least {_gb(excess)} (about {excess / sv['parent']['weights'] * m['params'] / 1e9:,.1f} B "
-                  f"parameters at {t['dtype']}) before any headroom for more sessions."]
+        lines += [
+            "",
+            f"Why the parent does not fit: it needs {_gb(sv['parent']['total'])} against {_gb(sv['memory_per_instance_bytes'])}; "
+            f"the student must shed at least {_gb(excess)} (about {excess / sv['parent']['weights'] * m['params'] / 1e9:,.1f} B "
+            f"parameters at {t['dtype']}) before any headroom for more sessions.",
+        ]
     lines += ["", f"Student: {sv['student_how']}", ""]
     lines.append(f"Budget reachable within the search space: {'yes' if sv['budget_reachable'] else 'NO'}")
     lines += [f"- {c}" for c in sv["budget_checks"]]

@@ -106,9 +106,7 @@ def layout_for_stage(cluster: Any, stage: str) -> ParallelLayout:
     over = _get(_get(cluster, "stage_layouts", {}) or {}, stage, {}) or {}
     unknown = sorted(set(over) - set(_LAYOUT_KEYS))
     if unknown:
-        raise ValueError(
-            f"cluster.stage_layouts.{stage}: unknown key(s) {unknown}; allowed: {', '.join(_LAYOUT_KEYS)}"
-        )
+        raise ValueError(f"cluster.stage_layouts.{stage}: unknown key(s) {unknown}; allowed: {', '.join(_LAYOUT_KEYS)}")
     base.update(dict(over))
     gpus = int(base["gpus_per_node"] or 0)
     procs = gpus if gpus > 0 else int(_get(cluster, "processes_per_node", 1) or 1)
@@ -189,7 +187,9 @@ def layout_problems(
     if L.pp > kept:
         out.append(f"{where}: pp={L.pp} is larger than the {kept} kept blocks; every pipeline stage needs one")
     if seq_len % (2 * L.cp) and L.cp > 1:
-        out.append(f"{where}: cp={L.cp}: seq_len={seq_len} is not divisible by 2 x cp = {2 * L.cp} (causal load balancing)")
+        out.append(
+            f"{where}: cp={L.cp}: seq_len={seq_len} is not divisible by 2 x cp = {2 * L.cp} (causal load balancing)"
+        )
     if L.sp and L.tp == 1:
         out.append(f"{where}: sequence_parallel needs tp > 1 (tp=1); set cluster.sequence_parallel=false or raise tp")
     elif L.sp and (seq_len // max(L.cp, 1)) % L.tp:

@@ -57,7 +57,9 @@ def _constraints(target: Any) -> list[tuple[str, Any]]:
     return [(str(c.metric), c.value) for c in target.budget.constraints]
 
 
-def meets(spec: ArchSpec, serving: dict[str, Any], parent: ArchSpec, parent_serving: dict[str, Any], target: Any) -> bool:
+def meets(
+    spec: ArchSpec, serving: dict[str, Any], parent: ArchSpec, parent_serving: dict[str, Any], target: Any
+) -> bool:
     """True when ``spec`` meets every memory / parameter constraint of the target's budget."""
     for metric, value in _constraints(target):
         if metric == "memory_bytes" and serving["total"] > _limit(value, parent_serving["total"]):
@@ -78,16 +80,22 @@ def check_budget(
         if metric == "memory_bytes":
             lim = _limit(value, parent_serving["total"])
             good = smallest_serving["total"] <= lim
-            checks.append(f"memory_bytes <= {lim / 1e9:,.2f} GB: smallest model needs {smallest_serving['total'] / 1e9:,.2f} GB "
-                          f"({'reachable' if good else 'NOT reachable'}; parent {parent_serving['total'] / 1e9:,.2f} GB)")
+            checks.append(
+                f"memory_bytes <= {lim / 1e9:,.2f} GB: smallest model needs {smallest_serving['total'] / 1e9:,.2f} GB "
+                f"({'reachable' if good else 'NOT reachable'}; parent {parent_serving['total'] / 1e9:,.2f} GB)"
+            )
         elif metric == "params":
             lim = _limit(value, counts.param_count(parent), "params")
             good = counts.param_count(smallest) <= lim
-            checks.append(f"params <= {lim / 1e9:,.2f} B: smallest model has {counts.param_count(smallest) / 1e9:,.2f} B "
-                          f"({'reachable' if good else 'NOT reachable'})")
+            checks.append(
+                f"params <= {lim / 1e9:,.2f} B: smallest model has {counts.param_count(smallest) / 1e9:,.2f} B "
+                f"({'reachable' if good else 'NOT reachable'})"
+            )
         else:
-            checks.append(f"{metric} <= {value}: not checked in a dry run (needs the engine's cost table: "
-                          "python -m autocompress_nemo.profile)")
+            checks.append(
+                f"{metric} <= {value}: not checked in a dry run (needs the engine's cost table: "
+                "python -m autocompress_nemo.profile)"
+            )
             continue
         ok = ok and good
     return {"ok": ok, "checks": checks}
@@ -97,7 +105,9 @@ def _with_experts(parent: ArchSpec, n: int) -> ArchSpec:
     spec = parent
     for i, b in enumerate(parent.blocks):
         if isinstance(b, MoeBlock) and not b.removed and b.num_experts:
-            spec = spec.replace_block(i, MoeBlock(n, b.expert_ffn, min(b.top_k, n), b.shared_ffn, b.latent, b.activation))
+            spec = spec.replace_block(
+                i, MoeBlock(n, b.expert_ffn, min(b.top_k, n), b.shared_ffn, b.latent, b.activation)
+            )
     return spec
 
 
@@ -129,9 +139,11 @@ def budget_student(
             s = _with_experts(parent, n)
             if meets(s, serve(s), parent, parent_serving, target):
                 p0, p1 = counts.param_count(parent), counts.param_count(s)
-                return s, (f"keep {n} of {e0} routed experts in each of the {len(moe)} MoE blocks "
-                           f"({(p0 - p1) / 1e9:,.2f} B parameters cut, {p1 / 1e9:,.2f} B left; attention, "
-                           f"Mamba and shared experts untouched)")
+                return s, (
+                    f"keep {n} of {e0} routed experts in each of the {len(moe)} MoE blocks "
+                    f"({(p0 - p1) / 1e9:,.2f} B parameters cut, {p1 / 1e9:,.2f} B left; attention, "
+                    f"Mamba and shared experts untouched)"
+                )
         return None, f"even {k} routed experts per MoE block (top-k) do not meet the budget"
     if mlp and bool(caps.vary_ffn):
         f0, align = mlp[0].ffn, max(int(caps.ffn_align), 1)

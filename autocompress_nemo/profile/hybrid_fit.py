@@ -79,8 +79,9 @@ def feature_matrix(specs: list[ArchSpec], columns: list[Any]) -> np.ndarray:
         for b in s.blocks:
             for p in entry_parts(b):
                 if p not in index:
-                    raise KeyError(f"profiling model {s.name} uses {p}, which has no table column; "
-                                   "add it to the profiled options")
+                    raise KeyError(
+                        f"profiling model {s.name} uses {p}, which has no table column; add it to the profiled options"
+                    )
                 out[i, index[p]] += 1
     return out
 
@@ -97,9 +98,13 @@ class Fit:
 
     def summary(self) -> dict[str, float]:
         r, lo = self.resid_pct, self.loo_pct
-        return {"rms_pct": float(np.sqrt(np.mean(r**2))), "max_pct": float(np.max(np.abs(r))),
-                "loo_rms_pct": float(np.sqrt(np.mean(lo**2))), "loo_max_pct": float(np.max(np.abs(lo))),
-                "loo_mean_abs_pct": float(np.mean(np.abs(lo)))}
+        return {
+            "rms_pct": float(np.sqrt(np.mean(r**2))),
+            "max_pct": float(np.max(np.abs(r))),
+            "loo_rms_pct": float(np.sqrt(np.mean(lo**2))),
+            "loo_max_pct": float(np.max(np.abs(lo))),
+            "loo_mean_abs_pct": float(np.mean(np.abs(lo))),
+        }
 
 
 def _solve(a: np.ndarray, y: np.ndarray, lam: float) -> np.ndarray:
@@ -113,8 +118,9 @@ def _solve(a: np.ndarray, y: np.ndarray, lam: float) -> np.ndarray:
     reg = np.sqrt(lam) * s * np.eye(p)[1:]
     lb = np.full(p, 0.0)
     lb[0] = -np.inf
-    res = lsq_linear(np.vstack([aw, reg]), np.concatenate([yw, np.zeros(p - 1)]), bounds=(lb, np.inf),
-                     method="bvls", tol=1e-12)
+    res = lsq_linear(
+        np.vstack([aw, reg]), np.concatenate([yw, np.zeros(p - 1)]), bounds=(lb, np.inf), method="bvls", tol=1e-12
+    )
     return res.x
 
 
@@ -135,5 +141,12 @@ def fit_costs(counts: np.ndarray, y: np.ndarray, lam: float = 1e-8, loo: bool = 
             loo_pred[i] = a[i] @ _solve(a[keep], y[keep], lam)
     sv = np.linalg.svd(a / y[:, None], compute_uv=False)
     rank = int(np.sum(sv > sv[0] * 1e-10))
-    return Fit(intercept=float(beta[0]), costs=beta[1:], fitted=fitted, resid_pct=100.0 * (fitted - y) / y,
-               loo_pct=100.0 * (loo_pred - y) / y, rank=rank, cond=float(sv[0] / sv[rank - 1]))
+    return Fit(
+        intercept=float(beta[0]),
+        costs=beta[1:],
+        fitted=fitted,
+        resid_pct=100.0 * (fitted - y) / y,
+        loo_pct=100.0 * (loo_pred - y) / y,
+        rank=rank,
+        cond=float(sv[0] / sv[rank - 1]),
+    )

@@ -45,21 +45,35 @@ def parent_spec(cfg: Any) -> ArchSpec:
 def profile_config_hash(cfg: Any) -> str:
     """What the table depends on: engine, hardware, workload, the parent's shape and the option grid."""
     t = cfg.target
-    return hash_obj({"engine": _plain(t.engine), "hardware": _plain(t.hardware), "workload": _plain(t.workload),
-                     "parent": parent_spec(cfg).to_dict(), "ffn_options": int(cfg.search.ffn_options)})
+    return hash_obj(
+        {
+            "engine": _plain(t.engine),
+            "hardware": _plain(t.hardware),
+            "workload": _plain(t.workload),
+            "parent": parent_spec(cfg).to_dict(),
+            "ffn_options": int(cfg.search.ffn_options),
+        }
+    )
 
 
 def expected_provenance(cfg: Any) -> dict[str, Any]:
     """The provenance a table must carry to be valid for ``cfg.target`` (without running anything)."""
     eng = get_engine(cfg.target)
     wl = Workload.from_config(cfg.target.workload)
-    prov = make_provenance(eng.provenance(), wl.__dict__, wl.decode_context(str(eng.setting("decode_context", "mean"))),
-                           expected_settings(cfg.target.engine), parent_spec(cfg))
+    prov = make_provenance(
+        eng.provenance(),
+        wl.__dict__,
+        wl.decode_context(str(eng.setting("decode_context", "mean"))),
+        expected_settings(cfg.target.engine),
+        parent_spec(cfg),
+    )
     if cfg.target.engine.version:
         want = str(cfg.target.engine.version)
         if want not in prov["engine_version"]:
-            raise ValueError(f"target.engine.version={want!r} but the installed engine is {prov['engine_version']!r}; "
-                             "install that version or clear target.engine.version")
+            raise ValueError(
+                f"target.engine.version={want!r} but the installed engine is {prov['engine_version']!r}; "
+                "install that version or clear target.engine.version"
+            )
     return {k: v for k, v in prov.items() if k not in ("date", "label", "parent_name")}
 
 
@@ -87,21 +101,30 @@ def run_profile(cfg: Any, out_dir: str | Path) -> Path:
         table.provenance["target"] = str(cfg.target.name)
         table.save(tmp / TABLE_FILE)
         _rmtree(tmp / "work")
-    print(f"[profile] wrote {out / TABLE_FILE}: {table.provenance["engine_runs"]} engine runs in "
-          f"{table.provenance['profile_wall_s']:.0f} s ({table.label})", file=sys.stderr)
+    print(
+        f"[profile] wrote {out / TABLE_FILE}: {table.provenance['engine_runs']} engine runs in "
+        f"{table.provenance['profile_wall_s']:.0f} s ({table.label})",
+        file=sys.stderr,
+    )
     return out / TABLE_FILE
 
 
-def run_validate(cfg: Any, table_path: str | Path, out_dir: str | Path, *, n_random: int | None = None,
-                 seed: int | None = None) -> dict[str, Any]:
+def run_validate(
+    cfg: Any, table_path: str | Path, out_dir: str | Path, *, n_random: int | None = None, seed: int | None = None
+) -> dict[str, Any]:
     """Measure candidate models end to end and report predicted vs measured; returns the summary."""
     table = load_table(cfg, table_path)
     pred = Predictor(table, cfg.target)
     parent = parent_spec(cfg)
     wl = Workload.from_config(cfg.target.workload)
     n_rand = int(n_random if n_random is not None else cfg.target.engine.settings.get("validate_random", 9))
-    specs = val.candidates(parent, cfg.target.engine.capabilities, n_rand, int(seed if seed is not None else cfg.seed),
-                           int(cfg.target.engine.settings.get("ffn_grid", cfg.search.ffn_options)))
+    specs = val.candidates(
+        parent,
+        cfg.target.engine.capabilities,
+        n_rand,
+        int(seed if seed is not None else cfg.seed),
+        int(cfg.target.engine.settings.get("ffn_grid", cfg.search.ffn_options)),
+    )
     out = Path(out_dir) / "validation"
     rows: list[dict[str, Any]] = []
     t0 = time.time()
@@ -113,16 +136,28 @@ def run_validate(cfg: Any, table_path: str | Path, out_dir: str | Path, *, n_ran
         def progress(msg: str) -> None:
             done[0] += 1
             el = time.time() - t0
-            print(f"[validate {done[0]}/{total}] timing{msg[msg.index(':'):]} ({total - done[0]} runs remain, "
-                  f"~{el / done[0] * (total - done[0]):.0f} s left)", file=sys.stderr, flush=True)
+            print(
+                f"[validate {done[0]}/{total}] timing{msg[msg.index(':') :]} ({total - done[0]} runs remain, "
+                f"~{el / done[0] * (total - done[0]):.0f} s left)",
+                file=sys.stderr,
+                flush=True,
+            )
 
         measured = engine.measure_many(specs, wl, log=progress)
         for spec, m in zip(specs, measured, strict=True):
             p = pred.predict(spec)
-            meas = {"prefill_ms": m.prefill_ms, "decode_ms": m.decode_ms,
-                    "response_latency_ms": m.prefill_ms + wl.output_len * m.decode_ms, "memory_bytes": m.memory_bytes}
-            row: dict[str, Any] = {"name": spec.name, "pattern": spec.pattern, "layers": spec.num_layers,
-                                   "reference": val.is_reference(spec, table)}
+            meas = {
+                "prefill_ms": m.prefill_ms,
+                "decode_ms": m.decode_ms,
+                "response_latency_ms": m.prefill_ms + wl.output_len * m.decode_ms,
+                "memory_bytes": m.memory_bytes,
+            }
+            row: dict[str, Any] = {
+                "name": spec.name,
+                "pattern": spec.pattern,
+                "layers": spec.num_layers,
+                "reference": val.is_reference(spec, table),
+            }
             then = val.profiled_time(spec, table) if row["reference"] else None
             row.update({f"table_{k}": v for k, v in (then or {}).items()})  # measured at profiling
             for k in val.METRICS:
@@ -133,16 +168,30 @@ def run_validate(cfg: Any, table_path: str | Path, out_dir: str | Path, *, n_ran
             row["spec"] = spec.to_dict()
             row["spread"] = m.spread
             rows.append(row)
-            print(f"    {spec.name}: decode {meas['decode_ms']:.3f} ms (pred {p['decode_ms']:.3f}, {row['err_decode_ms_pct']:+.2f}%), "
-                  f"prefill {meas['prefill_ms']:.1f} ms ({row['err_prefill_ms_pct']:+.2f}%), memory "
-                  f"{row['err_memory_bytes_pct']:+.3f}%", file=sys.stderr, flush=True)
-        ref = next((r for r in rows if r["reference"] and "table_decode_ms" in r),
-                   next((r for r in rows if r["reference"]), None))
+            print(
+                f"    {spec.name}: decode {meas['decode_ms']:.3f} ms (pred {p['decode_ms']:.3f}, {row['err_decode_ms_pct']:+.2f}%), "
+                f"prefill {meas['prefill_ms']:.1f} ms ({row['err_prefill_ms_pct']:+.2f}%), memory "
+                f"{row['err_memory_bytes_pct']:+.3f}%",
+                file=sys.stderr,
+                flush=True,
+            )
+        ref = next(
+            (r for r in rows if r["reference"] and "table_decode_ms" in r),
+            next((r for r in rows if r["reference"]), None),
+        )
         drift = val.drift_scale(ref, wl.output_len)
-        summary = {"target": str(cfg.target.name), "engine": table.provenance["engine"], "label": table.label,
-                   "estimated": table.estimated, "models": sum(not r["reference"] for r in rows),
-                   "reference": ref["name"] if ref else None, "engine_runs": getattr(engine, "runs", 0),
-                   "errors": val.errors(rows), "wall_s": round(time.time() - t0, 1), "table": str(table_path)}
+        summary = {
+            "target": str(cfg.target.name),
+            "engine": table.provenance["engine"],
+            "label": table.label,
+            "estimated": table.estimated,
+            "models": sum(not r["reference"] for r in rows),
+            "reference": ref["name"] if ref else None,
+            "engine_runs": getattr(engine, "runs", 0),
+            "errors": val.errors(rows),
+            "wall_s": round(time.time() - t0, 1),
+            "table": str(table_path),
+        }
         if drift:  # the same errors with the machine's speed change since profiling taken out
             summary["drift_scale"] = drift
             summary["errors_drift_corrected"] = val.errors(rows, drift)

@@ -51,19 +51,27 @@ def candidates(parent: ArchSpec, caps: Any, n_random: int = 8, seed: int = 0, ff
     attn = attention_grid(a_p, caps)
     out = [parent.replace(name="parent")]
     if _cap(caps, "vary_ffn"):
-        out += [_layered(parent, [(a_p, MlpBlock(w(f), m_p.activation))] * len(layers), f"uniform_ffn{w(f)}")
-                for f in (0.75, 0.5)]
+        out += [
+            _layered(parent, [(a_p, MlpBlock(w(f), m_p.activation))] * len(layers), f"uniform_ffn{w(f)}")
+            for f in (0.75, 0.5)
+        ]
     smaller = [a for a in attn if a != a_p]
     if smaller:
         mid = smaller[len(smaller) // 2]
         out.append(_layered(parent, [(mid, m_p)] * len(layers), f"uniform_{mid.num_heads}h{mid.num_kv_groups}g"))
-        out.append(_layered(parent, [(smaller[-1], MlpBlock(w(0.66), m_p.activation))] * len(layers),
-                            f"uniform_{smaller[-1].num_heads}h_ffn{w(0.66)}"))
+        out.append(
+            _layered(
+                parent,
+                [(smaller[-1], MlpBlock(w(0.66), m_p.activation))] * len(layers),
+                f"uniform_{smaller[-1].num_heads}h_ffn{w(0.66)}",
+            )
+        )
     if _cap(caps, "remove_attention") and _cap(caps, "remove_mlp"):
         drop = set(rng.sample(range(1, len(layers) - 1), k=max(1, len(layers) // 5)))
         empty = (AttentionBlock(0, 0, a_p.head_dim), MlpBlock(0, m_p.activation))
-        out.append(_layered(parent, [empty if i in drop else (a_p, m_p) for i in range(len(layers))],
-                            f"drop{len(drop)}layers"))
+        out.append(
+            _layered(parent, [empty if i in drop else (a_p, m_p) for i in range(len(layers))], f"drop{len(drop)}layers")
+        )
     tries = 0
     while len(out) < 5 + n_random + 1 and tries < 1000:
         tries += 1
@@ -103,8 +111,9 @@ def profiled_time(spec: ArchSpec, table: Any) -> dict[str, float] | None:
 
     h = spec_hash(spec)
     for r in table.runs:
-        if r.get("spec_hash") == h or (r.get("spec_hash") is None and r.get("name") == "base"
-                                       and h == table.provenance.get("parent")):
+        if r.get("spec_hash") == h or (
+            r.get("spec_hash") is None and r.get("name") == "base" and h == table.provenance.get("parent")
+        ):
             return {p: float(r[p]) for p in ("prefill_ms", "decode_ms")}
     return None
 
@@ -121,8 +130,12 @@ def errors(rows: list[dict[str, Any]], scale: dict[str, float] | None = None) ->
         f = (scale or {}).get(m, 1.0)
         errs = [100.0 * (f * r[f"pred_{m}"] - r[f"meas_{m}"]) / r[f"meas_{m}"] for r in rows if r[f"meas_{m}"]]
         if errs:
-            out[m] = {"mape": sum(abs(e) for e in errs) / len(errs), "max_ape": max(abs(e) for e in errs),
-                      "bias": sum(errs) / len(errs), "n": len(errs)}
+            out[m] = {
+                "mape": sum(abs(e) for e in errs) / len(errs),
+                "max_ape": max(abs(e) for e in errs),
+                "bias": sum(errs) / len(errs),
+                "n": len(errs),
+            }
     return out
 
 
@@ -172,9 +185,12 @@ def write_report(rows: list[dict[str, Any]], summary: dict[str, Any], out_dir: P
         ax.set_title(f"{m}: MAPE {e.get('mape', float('nan')):.2f}%", fontsize=9)
         ax.set_xlabel(f"measured ({unit})")
         ax.set_ylabel(f"predicted ({unit})")
-    fig.suptitle(f"{summary['target']} / {summary['engine']}: predicted vs measured ({summary['label']}), "
-                 f"{summary.get('models', len(rows))} models not used for the table"
-                 + (f" (+ reference {summary['reference']})" if summary.get("reference") else ""), fontsize=9)
+    fig.suptitle(
+        f"{summary['target']} / {summary['engine']}: predicted vs measured ({summary['label']}), "
+        f"{summary.get('models', len(rows))} models not used for the table"
+        + (f" (+ reference {summary['reference']})" if summary.get("reference") else ""),
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(paths["png"], dpi=110)
     plt.close(fig)

@@ -87,9 +87,11 @@ def parallel_groups() -> dict[str, tuple[int, Any]]:
     group, _, world = tensor_parallel()
     if not ps.model_parallel_is_initialized():
         return {"tp": (1, None), "ep": (1, None), "etp": (1, None)}
-    return {"tp": (world, group),
-            "ep": (ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_group()),
-            "etp": (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_group())}
+    return {
+        "tp": (world, group),
+        "ep": (ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_group()),
+        "etp": (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_group()),
+    }
 
 
 def cat_over(x: torch.Tensor, n: int, group: Any, dim: int = 0) -> torch.Tensor:
@@ -191,8 +193,12 @@ class Accumulator:
 
         self.post_hook(block, hook)
 
-    def run(self, model: torch.nn.Module, batches: Iterable[torch.Tensor],
-            forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]) -> int:
+    def run(
+        self,
+        model: torch.nn.Module,
+        batches: Iterable[torch.Tensor],
+        forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+    ) -> int:
         """``forward(model, input_ids_BT)`` over ``batches`` with the hooks on; returns the token count
         of this rank. The hooks are removed afterwards (also on error)."""
         tokens = 0
@@ -234,14 +240,22 @@ def collect_importance(
     tp, group = parallel_groups()["tp"]
     n = max(n_tokens_seen, 1)
 
-    def tokens_summed(key: Hashable) -> torch.Tensor:  # inputs / outputs of the residual stream: sequence-split under SP
+    def tokens_summed(
+        key: Hashable,
+    ) -> torch.Tensor:  # inputs / outputs of the residual stream: sequence-split under SP
         return (sum_over(acc.sums[key], tp, group) if sequence_parallel else acc.sums[key]).cpu() / n
 
     def units(key: tuple) -> torch.Tensor | None:  # heads / neurons: the full sequence, this rank's units
         return cat_over(acc.sums[key], tp, group).cpu() / n if key in acc.sums else None
 
-    scores = [LayerScores(heads=units((li, "heads")), ffn=units((li, "ffn")),
-                          attn_block=tokens_summed((li, "attn_block")).item(),
-                          mlp_block=tokens_summed((li, "mlp_block")).item()) for li in range(len(layers))]
+    scores = [
+        LayerScores(
+            heads=units((li, "heads")),
+            ffn=units((li, "ffn")),
+            attn_block=tokens_summed((li, "attn_block")).item(),
+            mlp_block=tokens_summed((li, "mlp_block")).item(),
+        )
+        for li in range(len(layers))
+    ]
     hidden = tokens_summed("hidden") if "hidden" in acc.sums else torch.zeros(spec.hidden, dtype=torch.float64)
     return Importance(hidden=hidden, layers=scores, tokens=n_tokens_seen)

@@ -75,17 +75,24 @@ class MoeMambaImportance:
         def lst(x: torch.Tensor | None) -> list | None:
             return None if x is None else x.tolist()
 
-        return {"tokens": self.tokens, "hidden": lst(self.hidden),
-                "blocks": [{f: lst(getattr(b, f)) for f in SCORE_FIELDS} for b in self.blocks]}
+        return {
+            "tokens": self.tokens,
+            "hidden": lst(self.hidden),
+            "blocks": [{f: lst(getattr(b, f)) for f in SCORE_FIELDS} for b in self.blocks],
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MoeMambaImportance:
         """Inverse of ``to_dict``; fields missing in older files read as ``None``."""
+
         def t(x: list | None) -> torch.Tensor | None:
             return None if x is None else torch.tensor(x, dtype=torch.float64)
 
-        return cls(blocks=[BlockScores(**{f: t(b.get(f)) for f in SCORE_FIELDS}) for b in d["blocks"]],
-                   tokens=int(d["tokens"]), hidden=t(d.get("hidden")))
+        return cls(
+            blocks=[BlockScores(**{f: t(b.get(f)) for f in SCORE_FIELDS}) for b in d["blocks"]],
+            tokens=int(d["tokens"]),
+            hidden=t(d.get("hidden")),
+        )
 
 
 def _register(acc: Accumulator, model: torch.nn.Module, spec: ArchSpec, etp: tuple[int, Any]) -> None:
@@ -116,8 +123,10 @@ def _register(acc: Accumulator, model: torch.nn.Module, spec: ArchSpec, etp: tup
 def _register_experts(acc: Accumulator, g: int, mlp: Any, etp: tuple[int, Any]) -> None:
     local = getattr(mlp.experts, "local_experts", None)
     if local is None:
-        raise ValueError(f"block {g}: routed experts of type {type(mlp.experts).__name__} (grouped GEMM) cannot be "
-                         "scored one by one; build the calibration model with per-expert modules (impl='local')")
+        raise ValueError(
+            f"block {g}: routed experts of type {type(mlp.experts).__name__} (grouped GEMM) cannot be "
+            "scored one by one; build the calibration model with per-expert modules (impl='local')"
+        )
     acc.zeros((g, "experts"), (len(local),), mlp)
     for j, expert in enumerate(local):
 
@@ -143,8 +152,10 @@ def collect_moe_mamba_importance(
     groups = parallel_groups()
     (tp, tp_group), (ep, ep_group), (etp, etp_group) = groups["tp"], groups["ep"], groups["etp"]
     if etp != tp and any(isinstance(b, MoeBlock) and b.num_experts for b in spec.blocks):
-        raise ValueError(f"collect_moe_mamba_importance: expert tensor parallel size {etp} != tensor parallel "
-                         f"size {tp}; run the rank stage with cluster.etp equal to cluster.tp (or 0)")
+        raise ValueError(
+            f"collect_moe_mamba_importance: expert tensor parallel size {etp} != tensor parallel "
+            f"size {tp}; run the rank stage with cluster.etp equal to cluster.tp (or 0)"
+        )
     acc = Accumulator()
     _register(acc, model, spec, groups["etp"])
     tokens = acc.run(model, batches, forward)

@@ -81,8 +81,9 @@ def permutations_from_scores(spec: ArchSpec, imp: Importance, sort_hidden: bool 
     hidden = _argsort_desc(imp.hidden) if sort_hidden else torch.arange(spec.hidden)
     perms = Permutations(hidden=hidden)
     for (attn, _mlp), s in zip(layers, imp.layers, strict=True):
-        g_order, head_order = (None, None) if attn.removed or s.heads is None else grouped_order(s.heads,
-                                                                                                 attn.num_kv_groups)
+        g_order, head_order = (
+            (None, None) if attn.removed or s.heads is None else grouped_order(s.heads, attn.num_kv_groups)
+        )
         perms.groups.append(g_order)
         perms.heads.append(head_order)
         perms.ffn.append(None if s.ffn is None else _argsort_desc(s.ffn))
@@ -98,8 +99,16 @@ def _cols(w: torch.Tensor, idx: torch.Tensor, unit: int = 1) -> torch.Tensor:
     return _rows(w.transpose(0, 1), idx, unit).transpose(0, 1).contiguous()
 
 
-def permute_heads(sd: dict[str, torch.Tensor], q: str, k: str, v: str, o: str, heads: torch.Tensor,
-                  groups: torch.Tensor, head_dim: int) -> None:
+def permute_heads(
+    sd: dict[str, torch.Tensor],
+    q: str,
+    k: str,
+    v: str,
+    o: str,
+    heads: torch.Tensor,
+    groups: torch.Tensor,
+    head_dim: int,
+) -> None:
     """In place: query heads of ``q`` (rows) and ``o`` (columns) in order ``heads``, KV groups of ``k``
     / ``v`` (rows) in order ``groups``, ``head_dim`` rows / columns per head; biases move along."""
     for name, idx in ((q, heads), (k, groups), (v, groups)):
@@ -110,8 +119,13 @@ def permute_heads(sd: dict[str, torch.Tensor], q: str, k: str, v: str, o: str, h
     sd[o] = _cols(sd[o], heads, head_dim)
 
 
-def permute_hidden(sd: dict[str, torch.Tensor], order: torch.Tensor, reads: Iterable[str] = (),
-                   writes: Iterable[str] = (), vectors: Iterable[str] = ()) -> None:
+def permute_hidden(
+    sd: dict[str, torch.Tensor],
+    order: torch.Tensor,
+    reads: Iterable[str] = (),
+    writes: Iterable[str] = (),
+    vectors: Iterable[str] = (),
+) -> None:
     """In place: hidden channels in ``order`` — columns of the matrices that read the residual
     stream, rows of those that write it (and their biases), entries of the norm weights."""
     for name in reads:

@@ -47,12 +47,32 @@ from autocompress_nemo.rank.reorder import (
 if TYPE_CHECKING:
     from autocompress_nemo.rank.moe_mamba import MoeMambaImportance
 
-__all__ = ["MoeMambaPermutations", "apply_attention_permutation", "apply_expert_permutation", "apply_ffn_permutation",
-           "apply_hidden_permutation", "apply_mamba_head_permutation", "apply_moe_mamba_permutations",
-           "permutations_from_scores", "sorted_scores"]
+__all__ = [
+    "MoeMambaPermutations",
+    "apply_attention_permutation",
+    "apply_expert_permutation",
+    "apply_ffn_permutation",
+    "apply_hidden_permutation",
+    "apply_mamba_head_permutation",
+    "apply_moe_mamba_permutations",
+    "permutations_from_scores",
+    "sorted_scores",
+]
 
-_READS = {"q", "k", "v", "up", "gate", "in_proj", "router", "shared_up", "shared_gate", "latent_down",
-          "expert_up", "expert_gate"}
+_READS = {
+    "q",
+    "k",
+    "v",
+    "up",
+    "gate",
+    "in_proj",
+    "router",
+    "shared_up",
+    "shared_gate",
+    "latent_down",
+    "expert_up",
+    "expert_gate",
+}
 _WRITES = {"o", "down", "out_proj", "shared_down", "latent_up", "expert_down"}
 
 
@@ -78,8 +98,9 @@ class MoeMambaPermutations:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MoeMambaPermutations:
         """Inverse of ``to_dict``; fields missing in older files read as empty / ``None``."""
-        per_block: dict[str, Any] = {k: {int(g): torch.tensor(t, dtype=torch.long) for g, t in d.get(k, {}).items()}
-                                     for k in cls.BLOCK_FIELDS}
+        per_block: dict[str, Any] = {
+            k: {int(g): torch.tensor(t, dtype=torch.long) for g, t in d.get(k, {}).items()} for k in cls.BLOCK_FIELDS
+        }
         out = cls(**per_block)
         out.hidden = None if d.get("hidden") is None else torch.tensor(d["hidden"], dtype=torch.long)
         return out
@@ -113,8 +134,9 @@ def _check_grouped(g: int, what: str, heads: torch.Tensor, groups: torch.Tensor,
         raise ValueError(f"block {g}: the {what} order does not keep the heads of a group together in group order")
 
 
-def apply_expert_permutation(spec: ArchSpec, sd: dict[str, torch.Tensor], g: int, experts: torch.Tensor,
-                             expert_ffn: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def apply_expert_permutation(
+    spec: ArchSpec, sd: dict[str, torch.Tensor], g: int, experts: torch.Tensor, expert_ffn: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """Block ``g``'s routed experts in order ``experts`` (new -> old), each expert's neurons in
     order ``expert_ffn[new expert]``; router rows / selection bias move with their expert."""
     b, names, out = spec.blocks[g], hf_names(spec), dict(sd)
@@ -135,8 +157,9 @@ def apply_expert_permutation(spec: ArchSpec, sd: dict[str, torch.Tensor], g: int
     return out
 
 
-def apply_ffn_permutation(spec: ArchSpec, sd: dict[str, torch.Tensor], g: int, order: torch.Tensor,
-                          prefix: str = "shared_") -> dict[str, torch.Tensor]:
+def apply_ffn_permutation(
+    spec: ArchSpec, sd: dict[str, torch.Tensor], g: int, order: torch.Tensor, prefix: str = "shared_"
+) -> dict[str, torch.Tensor]:
     """Neurons of block ``g``'s shared expert (``prefix='shared_'``) or dense MLP (``prefix=''``)."""
     names, out = hf_names(spec), dict(sd)
     ups = [k for k in (names.key(g, prefix + "up"), names.key(g, prefix + "gate")) if k in out]
@@ -144,8 +167,9 @@ def apply_ffn_permutation(spec: ArchSpec, sd: dict[str, torch.Tensor], g: int, o
     return out
 
 
-def apply_mamba_head_permutation(spec: ArchSpec, sd: dict[str, torch.Tensor], g: int, heads: torch.Tensor,
-                                 groups: torch.Tensor) -> dict[str, torch.Tensor]:
+def apply_mamba_head_permutation(
+    spec: ArchSpec, sd: dict[str, torch.Tensor], g: int, heads: torch.Tensor, groups: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Block ``g``'s Mamba heads in order ``heads`` (new -> old); ``groups`` (new -> old) must be the
     group order ``heads`` follows (head i of new group k comes from old group ``groups[k]``)."""
     b, names, out = spec.blocks[g], hf_names(spec), dict(sd)
@@ -154,8 +178,9 @@ def apply_mamba_head_permutation(spec: ArchSpec, sd: dict[str, torch.Tensor], g:
     P, N, di, gn = b.head_dim, b.state_size, b.d_inner, b.num_groups * b.state_size
     k = lambda role: names.key(g, role)  # noqa: E731
     z, x, B, C, dt = sd[k("in_proj")].split([di, di, gn, gn, b.num_heads])
-    out[k("in_proj")] = torch.cat([_rows(z, heads, P), _rows(x, heads, P), _rows(B, groups, N), _rows(C, groups, N),
-                                   dt.index_select(0, heads)])
+    out[k("in_proj")] = torch.cat(
+        [_rows(z, heads, P), _rows(x, heads, P), _rows(B, groups, N), _rows(C, groups, N), dt.index_select(0, heads)]
+    )
     for role in ("conv_w", "conv_b"):
         cx, cB, cC = sd[k(role)].split([di, gn, gn])
         out[k(role)] = torch.cat([_rows(cx, heads, P), _rows(cB, groups, N), _rows(cC, groups, N)])
@@ -166,8 +191,9 @@ def apply_mamba_head_permutation(spec: ArchSpec, sd: dict[str, torch.Tensor], g:
     return out
 
 
-def apply_attention_permutation(spec: ArchSpec, sd: dict[str, torch.Tensor], g: int, heads: torch.Tensor,
-                                groups: torch.Tensor) -> dict[str, torch.Tensor]:
+def apply_attention_permutation(
+    spec: ArchSpec, sd: dict[str, torch.Tensor], g: int, heads: torch.Tensor, groups: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Block ``g``'s query heads in order ``heads`` and KV groups in order ``groups`` (new -> old;
     ``heads`` must follow ``groups``, keeping each group's query heads together)."""
     b, names, out = spec.blocks[g], hf_names(spec), dict(sd)
@@ -178,7 +204,9 @@ def apply_attention_permutation(spec: ArchSpec, sd: dict[str, torch.Tensor], g: 
     return out
 
 
-def apply_hidden_permutation(spec: ArchSpec, sd: dict[str, torch.Tensor], order: torch.Tensor) -> dict[str, torch.Tensor]:
+def apply_hidden_permutation(
+    spec: ArchSpec, sd: dict[str, torch.Tensor], order: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Hidden channels in ``order`` (new -> old) everywhere they appear (module docstring)."""
     names, out = hf_names(spec), dict(sd)
     reads = [k for k in (names.embed, names.lm_head) if k in out]
@@ -200,8 +228,9 @@ def apply_hidden_permutation(spec: ArchSpec, sd: dict[str, torch.Tensor], order:
     return out
 
 
-def apply_moe_mamba_permutations(spec: ArchSpec, sd: dict[str, torch.Tensor],
-                                 p: MoeMambaPermutations) -> dict[str, torch.Tensor]:
+def apply_moe_mamba_permutations(
+    spec: ArchSpec, sd: dict[str, torch.Tensor], p: MoeMambaPermutations
+) -> dict[str, torch.Tensor]:
     """Apply every permutation of ``p``; the function computed is unchanged."""
     out = dict(sd)
     for g, order in p.experts.items():
@@ -230,14 +259,17 @@ def sorted_scores(imp: MoeMambaImportance, p: MoeMambaPermutations) -> MoeMambaI
     blocks = []
     for g, s in enumerate(imp.blocks):
         e = p.experts.get(g)
-        blocks.append(BlockScores(
-            experts=by(s.experts, e),
-            expert_ffn=None if s.expert_ffn is None or e is None else torch.stack(
-                [s.expert_ffn[old][p.expert_ffn[g][new]] for new, old in enumerate(e.tolist())]),
-            shared_ffn=by(s.shared_ffn, p.shared_ffn.get(g)),
-            mamba_heads=by(s.mamba_heads, p.mamba_heads.get(g)),
-            heads=by(s.heads, p.heads.get(g)),
-            ffn=by(s.ffn, p.ffn.get(g)),
-        ))
+        blocks.append(
+            BlockScores(
+                experts=by(s.experts, e),
+                expert_ffn=None
+                if s.expert_ffn is None or e is None
+                else torch.stack([s.expert_ffn[old][p.expert_ffn[g][new]] for new, old in enumerate(e.tolist())]),
+                shared_ffn=by(s.shared_ffn, p.shared_ffn.get(g)),
+                mamba_heads=by(s.mamba_heads, p.mamba_heads.get(g)),
+                heads=by(s.heads, p.heads.get(g)),
+                ffn=by(s.ffn, p.ffn.get(g)),
+            )
+        )
     hidden = imp.hidden if imp.hidden is None or p.hidden is None else imp.hidden[p.hidden]
     return MoeMambaImportance(blocks=blocks, tokens=imp.tokens, hidden=hidden)

@@ -72,8 +72,10 @@ def write_report(run_dir: str | os.PathLike[str], results: dict[str, Any]) -> di
     run.mkdir(parents=True, exist_ok=True)
     res = normalize(results)
     if not res["models"]:
-        raise ValueError(f"write_report: results['models'] has none of {MODEL_ORDER}; nothing to report "
-                         "(give at least the parent or one student)")
+        raise ValueError(
+            f"write_report: results['models'] has none of {MODEL_ORDER}; nothing to report "
+            "(give at least the parent or one student)"
+        )
     plots, skipped = write_plots(run, res)
     res["plots"] = {k: p.name for k, p in plots.items()}
     res["plots_skipped"] = skipped

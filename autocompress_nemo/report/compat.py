@@ -25,7 +25,8 @@ ESTIMATED = "estimated, not measured"
 def looks_like_pipeline(results: dict[str, Any]) -> bool:
     models = results.get("models") or {}
     return any(k in results for k in ("methods", "stages_wall_s", "budget_reference")) or any(
-        isinstance(e, dict) and ("spec" in e or "measured_by" in e) for e in models.values())
+        isinstance(e, dict) and ("spec" in e or "measured_by" in e) for e in models.values()
+    )
 
 
 def _measured_source(label: str) -> str:
@@ -50,7 +51,8 @@ def _model(entry: dict[str, Any], method: dict[str, Any], validation: dict[str, 
         est = bool(validation.get("estimated")) or ESTIMATED in label
         engine = label.replace(f" ({ESTIMATED})", "")
         e["predicted"].setdefault(
-            "source", ESTIMATED if est else (f"predicted from the cost table measured in {engine}" if engine else ""))
+            "source", ESTIMATED if est else (f"predicted from the cost table measured in {engine}" if engine else "")
+        )
         if not e["predicted"]["source"]:
             del e["predicted"]["source"]
     bc = e.pop("budget_check", None)
@@ -101,11 +103,20 @@ def from_pipeline(results: dict[str, Any]) -> dict[str, Any]:
         tokens.setdefault("recovery", max(rec))
     r["tokens"] = {k: v for k, v in tokens.items() if v is not None}
     if validation and "cost_model_validation" not in r:
-        src = next((e["measured"].get("source") for e in r["models"].values()
-                    if isinstance(e.get("measured"), dict) and e["measured"].get("source")), "")
+        src = next(
+            (
+                e["measured"].get("source")
+                for e in r["models"].values()
+                if isinstance(e.get("measured"), dict) and e["measured"].get("source")
+            ),
+            "",
+        )
         how = ESTIMATED if validation.get("estimated") else (src or f"measured in {validation.get('engine', '?')}")
-        r["cost_model_validation"] = {"errors": validation.get("errors", {}), "source": how,
-                                      "n_models": validation.get("models")}
+        r["cost_model_validation"] = {
+            "errors": validation.get("errors", {}),
+            "source": how,
+            "n_models": validation.get("models"),
+        }
     wall = r.pop("stages_wall_s", None)
     if isinstance(wall, dict) and "wall_time_s" not in r:
         r["wall_time_s"] = {k: float(v) for k, v in wall.items() if isinstance(v, int | float)}

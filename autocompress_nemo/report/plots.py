@@ -85,13 +85,20 @@ def plot_widths(res: dict[str, Any], path: Path) -> Path | str:
 
 def plot_costs(res: dict[str, Any], path: Path) -> Path | str:
     models = res["models"]
-    metrics = [m for m in COST_METRICS
-               if any((e.get(k) or {}).get(m) is not None for e in models.values() for k in ("predicted", "measured"))]
+    metrics = [
+        m
+        for m in COST_METRICS
+        if any((e.get(k) or {}).get(m) is not None for e in models.values() for k in ("predicted", "measured"))
+    ]
     if not metrics:
         return "no predicted or measured costs"
     budgets = {b.get("metric"): b.get("absolute") for b in (res["target"].get("budgets") or [])}
-    budgets.update({"prefill_ms": budgets.get("ttft_ms", budgets.get("prefill_ms")),
-                    "decode_ms": budgets.get("tpot_ms", budgets.get("decode_ms"))})
+    budgets.update(
+        {
+            "prefill_ms": budgets.get("ttft_ms", budgets.get("prefill_ms")),
+            "decode_ms": budgets.get("tpot_ms", budgets.get("decode_ms")),
+        }
+    )
     plt = _plt()
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.4 * len(metrics), 3.8), squeeze=False)
     keys = list(models)
@@ -101,15 +108,24 @@ def plot_costs(res: dict[str, Any], path: Path) -> Path | str:
             for dx, kind, hatch in ((-0.2, "predicted", "//"), (0.2, "measured", "")):
                 v = (e.get(kind) or {}).get(m)
                 if v is not None:
-                    ax.bar(j + dx, _scale(m, v), width=0.38, color=COLORS.get(key, "tab:green"), hatch=hatch,
-                           alpha=0.6 if kind == "predicted" else 0.95, edgecolor="k", lw=0.4)
+                    ax.bar(
+                        j + dx,
+                        _scale(m, v),
+                        width=0.38,
+                        color=COLORS.get(key, "tab:green"),
+                        hatch=hatch,
+                        alpha=0.6 if kind == "predicted" else 0.95,
+                        edgecolor="k",
+                        lw=0.4,
+                    )
         if budgets.get(m) is not None:
             ax.axhline(_scale(m, budgets[m]), color="red", ls="--", lw=1, label="budget")
             ax.legend(fontsize=7)
         ax.set_xticks(range(len(keys)), [models[k]["label"] for k in keys], fontsize=7, rotation=20)
         ax.set_title(f"{m} ({UNITS[m]})", fontsize=9)
-    sources = sorted({str((e.get(k) or {}).get("source")) for e in models.values() for k in ("predicted", "measured")
-                      if e.get(k)})
+    sources = sorted(
+        {str((e.get(k) or {}).get("source")) for e in models.values() for k in ("predicted", "measured") if e.get(k)}
+    )
     fig.suptitle("hatched = predicted, solid = measured\n" + "; ".join(sources), fontsize=7)
     fig.tight_layout()
     return _save(fig, path)
@@ -121,7 +137,7 @@ def plot_trajectory(res: dict[str, Any], path: Path) -> Path | str:
         return "no search trajectory (search not run, or the parent already met the budget)"
     plt = _plt()
     steps = [r["step"] for r in traj]
-    metrics = sorted({k[len("expected_"):] for r in traj for k in r if k.startswith("expected_")})
+    metrics = sorted({k[len("expected_") :] for r in traj for k in r if k.startswith("expected_")})
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     axes[0].plot(steps, [r.get("kd") for r in traj], lw=1.2, label="KD loss")
     if any(r.get("penalty") for r in traj):
@@ -183,8 +199,12 @@ def plot_accuracy_vs_cost(res: dict[str, Any], path: Path) -> Path | str:
     return _save(fig, path)
 
 
-PLOTS = {"widths": plot_widths, "costs": plot_costs, "search_trajectory": plot_trajectory,
-         "accuracy_vs_cost": plot_accuracy_vs_cost}
+PLOTS = {
+    "widths": plot_widths,
+    "costs": plot_costs,
+    "search_trajectory": plot_trajectory,
+    "accuracy_vs_cost": plot_accuracy_vs_cost,
+}
 
 
 def write_plots(run_dir: Path, res: dict[str, Any]) -> tuple[dict[str, Path], dict[str, str]]:

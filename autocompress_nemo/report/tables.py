@@ -13,8 +13,16 @@ from autocompress_nemo.report.compat import from_pipeline, looks_like_pipeline
 MODEL_ORDER = ("parent", "autocompress", "minitron_pp")
 DISPLAY = {"parent": "Parent", "autocompress": "AutoCompress", "minitron_pp": "Minitron++"}
 COST_METRICS = ("prefill_ms", "decode_ms", "response_latency_ms", "throughput_tps", "memory_bytes")
-UNITS = {"prefill_ms": "ms", "decode_ms": "ms", "response_latency_ms": "ms", "throughput_tps": "tok/s",
-         "memory_bytes": "MiB", "ttft_ms": "ms", "tpot_ms": "ms", "params": "M"}
+UNITS = {
+    "prefill_ms": "ms",
+    "decode_ms": "ms",
+    "response_latency_ms": "ms",
+    "throughput_tps": "tok/s",
+    "memory_bytes": "MiB",
+    "ttft_ms": "ms",
+    "tpot_ms": "ms",
+    "params": "M",
+}
 NO_SOURCE = "source not recorded"
 
 
@@ -63,8 +71,15 @@ def normalize(results: dict[str, Any]) -> dict[str, Any]:
     models = res.get("models") or {}
     keys = [k for k in MODEL_ORDER if models.get(k)] + [k for k in models if k not in MODEL_ORDER and models[k]]
     res["models"] = {k: _normalize_model(k, models[k]) for k in keys}
-    for key, default in (("target", {}), ("tokens", {}), ("wall_time_s", {}), ("search_trajectory", []),
-                         ("notes", []), ("run", {}), ("cost_model_validation", None)):
+    for key, default in (
+        ("target", {}),
+        ("tokens", {}),
+        ("wall_time_s", {}),
+        ("search_trajectory", []),
+        ("notes", []),
+        ("run", {}),
+        ("cost_model_validation", None),
+    ):
         if res.get(key) is None:
             res[key] = default
     return res
@@ -106,8 +121,11 @@ def block_width(b: Block) -> str:
     if isinstance(b, MlpBlock):
         return str(b.ffn)
     if isinstance(b, MoeBlock):  # routed experts x expert width (top-k), shared-expert width
-        routed = f"{b.num_experts} experts x {b.expert_ffn} (top-{b.top_k})" if b.num_experts and b.expert_ffn \
+        routed = (
+            f"{b.num_experts} experts x {b.expert_ffn} (top-{b.top_k})"
+            if b.num_experts and b.expert_ffn
             else "no routed experts"
+        )
         return f"{routed}, shared {b.shared_ffn}"
     if isinstance(b, MambaBlock):
         return f"{b.num_heads} heads/{b.num_groups} groups"
@@ -136,8 +154,10 @@ def _summary(res: dict[str, Any]) -> list[str]:
     tokens = res["tokens"].get("recovery")
     if p_ac is not None and p_mpp is not None:
         better = "lower" if p_ac < p_mpp else ("equal" if p_ac == p_mpp else "HIGHER")
-        out.append(f"- Held-out perplexity after {fmt(tokens)} recovery tokens each: AutoCompress {p_ac:.4g} vs "
-                   f"Minitron++ {p_mpp:.4g} — AutoCompress is {better}.")
+        out.append(
+            f"- Held-out perplexity after {fmt(tokens)} recovery tokens each: AutoCompress {p_ac:.4g} vs "
+            f"Minitron++ {p_mpp:.4g} — AutoCompress is {better}."
+        )
     elif mpp is None:
         out.append("- Minitron++ baseline: not run (run with `baseline=true` to compare).")
     return out
@@ -148,18 +168,31 @@ def _target(res: dict[str, Any]) -> list[str]:
     if not t:
         return ["Target not recorded."]
     hw, eng, wl = t.get("hardware") or {}, t.get("engine") or {}, t.get("workload") or {}
-    lines = [f"**{t.get('name', '?')}** — {t.get('description', '')}".rstrip(" —"),
-             "",
-             f"- hardware: {hw.get('device', hw.get('name', '?'))}",
-             f"- engine: {eng.get('name', '?')} {eng.get('version', '')} ({eng.get('dtype', '?')})".replace("  ", " "),
-             "- workload: " + ", ".join(f"{k} {wl[k]}" for k in ("batch", "input_len", "output_len", "context_len")
-                                        if k in wl),
-             ""]
+    lines = [
+        f"**{t.get('name', '?')}** — {t.get('description', '')}".rstrip(" —"),
+        "",
+        f"- hardware: {hw.get('device', hw.get('name', '?'))}",
+        f"- engine: {eng.get('name', '?')} {eng.get('version', '')} ({eng.get('dtype', '?')})".replace("  ", " "),
+        "- workload: "
+        + ", ".join(f"{k} {wl[k]}" for k in ("batch", "input_len", "output_len", "context_len") if k in wl),
+        "",
+    ]
     budgets = t.get("budgets") or []
     if budgets:
-        lines.append(table(["budget metric", "as configured", "absolute", "unit"],
-                           [[b.get("metric"), b.get("value"), fmt(b.get("absolute"), b.get("metric", "")),
-                             UNITS.get(b.get("metric", ""), "")] for b in budgets]))
+        lines.append(
+            table(
+                ["budget metric", "as configured", "absolute", "unit"],
+                [
+                    [
+                        b.get("metric"),
+                        b.get("value"),
+                        fmt(b.get("absolute"), b.get("metric", "")),
+                        UNITS.get(b.get("metric", ""), ""),
+                    ]
+                    for b in budgets
+                ],
+            )
+        )
     else:
         lines.append("No budgets recorded.")
     return lines
@@ -199,15 +232,26 @@ def _checks(res: dict[str, Any]) -> list[str]:
         for c in e.get("checks") or []:
             metric = c.get("checked_as") or c.get("metric", "")
             verdict = "—" if c.get("pass") is None else ("PASS" if c["pass"] else "FAIL")
-            rows.append([e["label"], f"{c.get('metric')} ≤ {c.get('value')}", fmt(c.get("budget"), metric),
-                         fmt(c.get("measured"), metric), fmt(c.get("predicted"), metric), verdict,
-                         c.get("note", ""), src])
+            rows.append(
+                [
+                    e["label"],
+                    f"{c.get('metric')} ≤ {c.get('value')}",
+                    fmt(c.get("budget"), metric),
+                    fmt(c.get("measured"), metric),
+                    fmt(c.get("predicted"), metric),
+                    verdict,
+                    c.get("note", ""),
+                    src,
+                ]
+            )
     if not rows:
         return ["No engine measurement against the budgets was recorded."]
-    return [table(["model", "constraint", "budget", "measured", "predicted", "result", "note", "measured: source"],
-                  rows),
-            "", "Units as in the cost table (ms, MiB, tok/s); a throughput budget is checked as the "
-            "equivalent per-step decode time."]
+    return [
+        table(["model", "constraint", "budget", "measured", "predicted", "result", "note", "measured: source"], rows),
+        "",
+        "Units as in the cost table (ms, MiB, tok/s); a throughput budget is checked as the "
+        "equivalent per-step decode time.",
+    ]
 
 
 def _accuracy(res: dict[str, Any]) -> list[str]:
@@ -223,8 +267,14 @@ def _accuracy(res: dict[str, Any]) -> list[str]:
     for e in models.values():
         a = e["accuracy"]
         lm = a.get("lm_eval") or {}
-        rows.append([e["label"], fmt(a.get("perplexity")), fmt(a.get("perplexity_tokens")),
-                     *(fmt(lm.get(t, {}).get(k)) for t, k in tasks)])
+        rows.append(
+            [
+                e["label"],
+                fmt(a.get("perplexity")),
+                fmt(a.get("perplexity_tokens")),
+                *(fmt(lm.get(t, {}).get(k)) for t, k in tasks),
+            ]
+        )
     out = [table(header, rows)]
     heldout = next((e["accuracy"].get("heldout") for e in models.values() if e["accuracy"].get("heldout")), None)
     if heldout:
@@ -240,8 +290,10 @@ def _before_recovery(res: dict[str, Any]) -> list[str]:
     br = res.get("before_recovery") or {}
     if not br:
         return ["Not evaluated."]
-    rows = [[DISPLAY.get(k, k), fmt(v.get("heldout_ppl")), fmt(v.get("kd_to_parent")), fmt(v.get("heldout_tokens"))]
-            for k, v in br.items()]
+    rows = [
+        [DISPLAY.get(k, k), fmt(v.get("heldout_ppl")), fmt(v.get("kd_to_parent")), fmt(v.get("heldout_tokens"))]
+        for k, v in br.items()
+    ]
     return [table(["student (extracted, no recovery)", "perplexity (held-out)", "KD loss to parent", "tokens"], rows)]
 
 
@@ -255,12 +307,19 @@ def _widths(res: dict[str, Any]) -> list[str]:
         header = ["layer", *(f"{lab} attention" for lab in labels), *(f"{lab} ffn" for lab in labels)]
         rows = []
         for i in range(n):
-            rows.append([i, *(block_width(specs[lab].layers()[i][0]) for lab in labels),
-                         *(block_width(specs[lab].layers()[i][1]) for lab in labels)])
+            rows.append(
+                [
+                    i,
+                    *(block_width(specs[lab].layers()[i][0]) for lab in labels),
+                    *(block_width(specs[lab].layers()[i][1]) for lab in labels),
+                ]
+            )
         return [table(header, rows)]
     n = max(len(s.blocks) for s in specs.values())
-    rows = [[i, *(f"{s.blocks[i].kind} {block_width(s.blocks[i])}" if i < len(s.blocks) else "—"
-                  for s in specs.values())] for i in range(n)]
+    rows = [
+        [i, *(f"{s.blocks[i].kind} {block_width(s.blocks[i])}" if i < len(s.blocks) else "—" for s in specs.values())]
+        for i in range(n)
+    ]
     return [table(["block", *labels], rows)]
 
 
@@ -268,17 +327,26 @@ def _validation(res: dict[str, Any]) -> list[str]:
     v = res["cost_model_validation"]
     if not v or not v.get("errors"):
         return ["Cost-model validation not run: predicted costs are unvalidated."]
-    rows = [[k, fmt(e.get("mape")), fmt(e.get("max_ape")), fmt(e.get("bias")), fmt(e.get("n"))]
-            for k, e in v["errors"].items()]
-    return [table(["metric", "mean abs error %", "max abs error %", "bias %", "models"], rows), "",
-            f"Source: {v.get('source', NO_SOURCE)}" + (f"; {v['n_models']} models not used to build the table."
-                                                        if v.get("n_models") else ".")]
+    rows = [
+        [k, fmt(e.get("mape")), fmt(e.get("max_ape")), fmt(e.get("bias")), fmt(e.get("n"))]
+        for k, e in v["errors"].items()
+    ]
+    return [
+        table(["metric", "mean abs error %", "max abs error %", "bias %", "models"], rows),
+        "",
+        f"Source: {v.get('source', NO_SOURCE)}"
+        + (f"; {v['n_models']} models not used to build the table." if v.get("n_models") else "."),
+    ]
 
 
 def _tokens_wall(res: dict[str, Any]) -> list[str]:
     t, w = res["tokens"], res["wall_time_s"]
-    out = [table(["tokens", "count"], [[k.replace("_", " "), fmt(v)] for k, v in t.items()]) if t
-           else "Token counts not recorded.", ""]
+    out = [
+        table(["tokens", "count"], [[k.replace("_", " "), fmt(v)] for k, v in t.items()])
+        if t
+        else "Token counts not recorded.",
+        "",
+    ]
     if w:
         rows = [[k, f"{v:.1f}"] for k, v in w.items()] + [["total", f"{sum(w.values()):.1f}"]]
         out.append(table(["stage", "wall time (s)"], rows))
@@ -297,19 +365,33 @@ def _selection(res: dict[str, Any]) -> list[str]:
             for m, c in (r.get("measured") or {}).items():
                 b = (r.get("budget") or {}).get(m)
                 ok = r.get("pass") if b is None else c <= b
-                rows.append([e["label"], r.get("round"), m, fmt(c, m), fmt((r.get("predicted") or {}).get(m), m),
-                             fmt((r.get("predicted_target") or {}).get(m), m), "PASS" if ok else "over"])
+                rows.append(
+                    [
+                        e["label"],
+                        r.get("round"),
+                        m,
+                        fmt(c, m),
+                        fmt((r.get("predicted") or {}).get(m), m),
+                        fmt((r.get("predicted_target") or {}).get(m), m),
+                        "PASS" if ok else "over",
+                    ]
+                )
         if e.get("selection_variant"):
             notes.append(f"- {e['label']}: {e['selection_variant']}.")
     out = []
     if rows:
-        out += [table(["model", "round", "metric", "measured", "predicted", "predicted target", "result"], rows), "",
-                "Measured in the target's engine on the architecture alone (random weights) before slicing; a "
-                "round over budget tightens that metric's predicted target by the table's error on that model "
-                "and repairs again.", ""]
+        out += [
+            table(["model", "round", "metric", "measured", "predicted", "predicted target", "result"], rows),
+            "",
+            "Measured in the target's engine on the architecture alone (random weights) before slicing; a "
+            "round over budget tightens that metric's predicted target by the table's error on that model "
+            "and repairs again.",
+            "",
+        ]
     out += notes
-    return out or ["No architecture was measured before slicing (the engine is an estimate, or "
-                   "search.verify_rounds=0)."]
+    return out or [
+        "No architecture was measured before slicing (the engine is an estimate, or search.verify_rounds=0)."
+    ]
 
 
 def render_markdown(res: dict[str, Any]) -> str:
@@ -317,11 +399,19 @@ def render_markdown(res: dict[str, Any]) -> str:
     parts = [f"# AutoCompress report{(' — ' + run['name']) if run.get('name') else ''}", ""]
     if run.get("command"):
         parts += [f"Command: `{run['command']}`" + (f" ({run['created']})" if run.get("created") else ""), ""]
-    sections = [("Summary", _summary(res)), ("Target and budgets", _target(res)), ("Models", _models(res)),
-                ("Costs: predicted and measured", _costs(res)), ("Budget compliance", _checks(res)),
-                ("Accuracy", _accuracy(res)), ("Before recovery distillation", _before_recovery(res)),
-                ("Per-block widths", _widths(res)), ("Architecture checks before slicing", _selection(res)),
-                ("Cost-model validation", _validation(res)), ("Tokens and wall time", _tokens_wall(res))]
+    sections = [
+        ("Summary", _summary(res)),
+        ("Target and budgets", _target(res)),
+        ("Models", _models(res)),
+        ("Costs: predicted and measured", _costs(res)),
+        ("Budget compliance", _checks(res)),
+        ("Accuracy", _accuracy(res)),
+        ("Before recovery distillation", _before_recovery(res)),
+        ("Per-block widths", _widths(res)),
+        ("Architecture checks before slicing", _selection(res)),
+        ("Cost-model validation", _validation(res)),
+        ("Tokens and wall time", _tokens_wall(res)),
+    ]
     for title, lines in sections:
         parts += [f"## {title}", "", *lines, ""]
     plots = res.get("plots") or {}

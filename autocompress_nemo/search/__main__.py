@@ -44,16 +44,29 @@ def run_pipeline(cfg: DictConfig) -> dict[str, Any]:
     table = prof / "cost_table" / "cost_table.json"
     validation = vdir = None
     if "validate" in wanted:
-        validation = run.stage("validate", lambda d: _validate(cfg, table, d), ("target", "model", "seed"), [prof],
-                               rank0_only=True)
+        validation = run.stage(
+            "validate", lambda d: _validate(cfg, table, d), ("target", "model", "seed"), [prof], rank0_only=True
+        )
         vdir = validation / "validation"
     if not wanted & {"rank", "search", "extract", "distill", "evaluate", "export"}:
         return out
 
-    ranked = run.stage("rank", lambda d: stages.rank(ctx, d), ("model", "data", "search.calib_sequences",
-                                                               "search.seq_len", "search.batch_size",
-                                                               "search.search_hidden", "seed"))
-    methods = [str(cfg.search.method)] + (["minitron_pp"] if cfg.baseline and cfg.search.method != "minitron_pp" else [])
+    ranked = run.stage(
+        "rank",
+        lambda d: stages.rank(ctx, d),
+        (
+            "model",
+            "data",
+            "search.calib_sequences",
+            "search.seq_len",
+            "search.batch_size",
+            "search.search_hidden",
+            "seed",
+        ),
+    )
+    methods = [str(cfg.search.method)] + (
+        ["minitron_pp"] if cfg.baseline and cfg.search.method != "minitron_pp" else []
+    )
     students: dict[str, Path] = {}
     extracted: dict[str, Path] = {}
     for m in methods:
@@ -61,9 +74,12 @@ def run_pipeline(cfg: DictConfig) -> dict[str, Any]:
             break
         inputs = [ranked, prof] + ([validation] if validation else [])
         try:
-            arch = run.stage(f"search_{m}", lambda d, m=m: stages.search(ctx, d, m, ranked, table, vdir,
-                                                                          run.ckpt_dir(f"search_{m}")),
-                             ("target", "search", "seed"), inputs)
+            arch = run.stage(
+                f"search_{m}",
+                lambda d, m=m: stages.search(ctx, d, m, ranked, table, vdir, run.ckpt_dir(f"search_{m}")),
+                ("target", "search", "seed"),
+                inputs,
+            )
         except ValueError as e:
             if m == str(cfg.search.method):
                 raise
@@ -72,14 +88,20 @@ def run_pipeline(cfg: DictConfig) -> dict[str, Any]:
         student = run.stage(f"extract_{m}", lambda d, a=arch: stages.extract(ctx, d, ranked, a), (), [ranked, arch])
         extracted[m] = student
         if wanted & {"distill", "evaluate", "export"} and "distill" in wanted:
-            student = run.stage(f"distill_{m}", lambda d, s=student, m=m: stages.distill(ctx, d, ranked, s,
-                                                                                        run.ckpt_dir(f"distill_{m}")),
-                                ("distill", "data", "seed"), [ranked, student])
+            student = run.stage(
+                f"distill_{m}",
+                lambda d, s=student, m=m: stages.distill(ctx, d, ranked, s, run.ckpt_dir(f"distill_{m}")),
+                ("distill", "data", "seed"),
+                [ranked, student],
+            )
         students[m] = student
     if "evaluate" in wanted and students:
-        ev = run.stage("evaluate", lambda d: stages.evaluate(ctx, d, ranked, table, vdir, students, extracted),
-                       ("target", "evaluate"),
-                       [ranked, prof, *students.values(), *extracted.values()] + ([validation] if validation else []))
+        ev = run.stage(
+            "evaluate",
+            lambda d: stages.evaluate(ctx, d, ranked, table, vdir, students, extracted),
+            ("target", "evaluate"),
+            [ranked, prof, *students.values(), *extracted.values()] + ([validation] if validation else []),
+        )
         out["evaluation"] = str(ev / "evaluation.json")
     if "export" in wanted:
         for m, s in students.items():

@@ -52,7 +52,9 @@ from autocompress_nemo.search.supernet import Supernet
 class CostFunctions(Protocol):
     def predict(self, spec: ArchSpec) -> dict[str, float]: ...
 
-    def expected(self, options: list[list[Block]], probs: list[torch.Tensor], spec: ArchSpec) -> dict[str, torch.Tensor]: ...
+    def expected(
+        self, options: list[list[Block]], probs: list[torch.Tensor], spec: ArchSpec
+    ) -> dict[str, torch.Tensor]: ...
 
 
 @dataclass
@@ -112,17 +114,23 @@ def _load_weights(checkpoint: str, par: Parallel, st: dict[str, Any]) -> dict[st
     """The shared weights saved with router checkpoint ``st`` for this rank's shard."""
     if par.world == 1:
         if "weights" not in st:
-            raise ValueError(f"search checkpoint {checkpoint} holds no shared weights but train_weights is on; "
-                             f"delete {checkpoint} to start over")
+            raise ValueError(
+                f"search checkpoint {checkpoint} holds no shared weights but train_weights is on; "
+                f"delete {checkpoint} to start over"
+            )
         return st
     if st.get("weights_layout") != par.layout:
-        raise ValueError(f"search checkpoint {checkpoint} was written with layout {st.get('weights_layout')}, this "
-                         f"run has {par.layout}: resume with the same cluster.tp/ep/pp and processes, or delete "
-                         f"{checkpoint} to start over")
+        raise ValueError(
+            f"search checkpoint {checkpoint} was written with layout {st.get('weights_layout')}, this "
+            f"run has {par.layout}: resume with the same cluster.tp/ep/pp and processes, or delete "
+            f"{checkpoint} to start over"
+        )
     path = _shard_file(checkpoint, par, int(st["step"]))
     if not path.is_file():
-        raise FileNotFoundError(f"search checkpoint {checkpoint} (step {st['step']}) has no weight shard {path}; "
-                                f"delete {checkpoint} to start over")
+        raise FileNotFoundError(
+            f"search checkpoint {checkpoint} (step {st['step']}) has no weight shard {path}; "
+            f"delete {checkpoint} to start over"
+        )
     return torch.load(path, weights_only=False)
 
 
@@ -251,8 +259,14 @@ def run_router_search(
                 + " ".join(f"{m}={float(exp[m].detach()):.4g}/{b:.4g}" for m, b in budgets.items())
             )
         if checkpoint and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            st = {"router": router.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-                  "step": step + 1, "trajectory": trajectory, "tokens": tokens}
+            st = {
+                "router": router.state_dict(),
+                "opt": opt.state_dict(),
+                "gen": gen.get_state(),
+                "step": step + 1,
+                "trajectory": trajectory,
+                "tokens": tokens,
+            }
             weights = {"weights": model.state_dict(), "wopt": wopt.state_dict()} if wopt is not None else None
             _save_checkpoint(checkpoint, par, st, weights)
     supernet.remove()

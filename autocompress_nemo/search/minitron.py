@@ -91,17 +91,26 @@ class MinitronOutcome(SearchOutcome):
     depth: bool = False
 
     def record(self) -> dict[str, Any]:
-        variant = ("width + depth (search.minitron_depth=true: beyond the paper's baseline, which keeps every layer)"
-                   if self.depth else "width only, every layer kept (the paper's Minitron++)")
-        return {"variant": variant, "block_importance": self.block_importance,
-                "importance_tokens": self.importance_tokens,
-                "importance_metric": "KD loss of the parent with the unit alone removed (0 = no effect)"}
+        variant = (
+            "width + depth (search.minitron_depth=true: beyond the paper's baseline, which keeps every layer)"
+            if self.depth
+            else "width only, every layer kept (the paper's Minitron++)"
+        )
+        return {
+            "variant": variant,
+            "block_importance": self.block_importance,
+            "importance_tokens": self.importance_tokens,
+            "importance_metric": "KD loss of the parent with the unit alone removed (0 = no effect)",
+        }
 
 
 def removable_units(parent: ArchSpec, decisions: list[Decision]) -> list[Unit]:
     """Units (hybrid blocks; Llama layers = attention + mlp) the space can remove entirely."""
-    groups = ([(2 * i, 2 * i + 1) for i in range(parent.num_layers)] if parent.is_dense_layered()
-              else [(i,) for i, b in enumerate(parent.blocks) if not b.removed])
+    groups = (
+        [(2 * i, 2 * i + 1) for i in range(parent.num_layers)]
+        if parent.is_dense_layered()
+        else [(i,) for i, b in enumerate(parent.blocks) if not b.removed]
+    )
     full = [d.parent_option for d in decisions]
     units = []
     for blocks in groups:
@@ -170,7 +179,10 @@ def _spent(c: dict[str, float], budgets: dict[str, float]) -> float | None:
 
 
 def feasible_uniform(
-    parent: ArchSpec, decisions: list[Decision], costs: CostFunctions, budgets: dict[str, float],
+    parent: ArchSpec,
+    decisions: list[Decision],
+    costs: CostFunctions,
+    budgets: dict[str, float],
     removal_order: list[Unit] | None = None,
 ) -> list[Candidate]:
     """Every feasible candidate: per uniform width, the fewest units of ``removal_order`` (least
@@ -242,22 +254,39 @@ def run_minitron_pp(
     order: list[Unit] = []
     imp_tokens = 0
     if units:
-        scores, imp_tokens = unit_importance(model, parent, decisions, units,
-                                             [batch_at(IMPORTANCE_OFFSET + s) for s in range(n_score)], forward,
-                                             temperature)
+        scores, imp_tokens = unit_importance(
+            model,
+            parent,
+            decisions,
+            units,
+            [batch_at(IMPORTANCE_OFFSET + s) for s in range(n_score)],
+            forward,
+            temperature,
+        )
         tokens += imp_tokens
         ranked = sorted(zip(scores, units, strict=True), key=lambda t: (t[0], t[1].blocks))
         order = [u for _, u in ranked]
-        importance = [{"blocks": list(u.blocks), "kinds": [parent.blocks[b].kind for b in u.blocks],
-                       "kd_when_removed": round(s, 6)} for s, u in ranked]
-        log("minitron++ depth axis: importance (KD loss with the block alone removed), least important first: "
+        importance = [
+            {
+                "blocks": list(u.blocks),
+                "kinds": [parent.blocks[b].kind for b in u.blocks],
+                "kd_when_removed": round(s, 6),
+            }
+            for s, u in ranked
+        ]
+        log(
+            "minitron++ depth axis: importance (KD loss with the block alone removed), least important first: "
             + ", ".join(f"{'+'.join(str(b) for b in u.blocks)}:{s:.4g}" for s, u in ranked)
-            + f" ({imp_tokens} tokens)")
+            + f" ({imp_tokens} tokens)"
+        )
     feas = feasible_uniform(parent, decisions, costs, budgets, order)
     if not feas:
-        how = (f"with the 0..{len(order)} least important removable blocks removed" if depth else
-               "every block kept, as the paper's baseline; search.minitron_depth=true also lets it remove the "
-               "least important blocks")
+        how = (
+            f"with the 0..{len(order)} least important removable blocks removed"
+            if depth
+            else "every block kept, as the paper's baseline; search.minitron_depth=true also lets it remove the "
+            "least important blocks"
+        )
         raise ValueError(
             f"Minitron++: no uniform architecture (one shape per block kind for all blocks, {how}) meets the "
             "budget; the heterogeneous search space may still reach it"
@@ -275,6 +304,7 @@ def run_minitron_pp(
         sn = Supernet(cand_model, parent, decisions)
         sn.set_choices(cand.choices)
         if retrain:
+
             def teacher(x: torch.Tensor, sn: Supernet = sn) -> torch.Tensor:
                 sn.enabled = False
                 try:
@@ -284,11 +314,18 @@ def run_minitron_pp(
 
             for p in cand_model.parameters():
                 p.requires_grad_(True)
+
             def student(x: torch.Tensor, m: torch.nn.Module = cand_model) -> torch.Tensor:
                 return forward(m, x)
 
-            kd_train(cand_model, teacher, student, (batch_at(RETRAIN_OFFSET + s) for s in range(retrain)),
-                     lr=cfg.weight_lr, temperature=temperature)
+            kd_train(
+                cand_model,
+                teacher,
+                student,
+                (batch_at(RETRAIN_OFFSET + s) for s in range(retrain)),
+                lr=cfg.weight_lr,
+                temperature=temperature,
+            )
             tokens += sum(batch_at(RETRAIN_OFFSET + s).numel() for s in range(retrain))
         losses = []
         with torch.no_grad():
@@ -302,11 +339,20 @@ def run_minitron_pp(
         sn.remove()
         score = sum(losses) / len(losses)
         arch = apply_choices(parent, decisions, cand.choices)
-        log(f"minitron++ candidate {ci + 1}/{len(top)}: kd={score:.4f} spent={cand.spent:.3f} "
-            f"removed={list(cand.removed)} {uniform_shape(arch)}")
-        trajectory.append({"candidate": ci, "kd": score, "spent": cand.spent, "choices": cand.choices,
-                           "removed_blocks": list(cand.removed),
-                           **{f"predicted_{m}": v for m, v in cand.costs.items()}})
+        log(
+            f"minitron++ candidate {ci + 1}/{len(top)}: kd={score:.4f} spent={cand.spent:.3f} "
+            f"removed={list(cand.removed)} {uniform_shape(arch)}"
+        )
+        trajectory.append(
+            {
+                "candidate": ci,
+                "kd": score,
+                "spent": cand.spent,
+                "choices": cand.choices,
+                "removed_blocks": list(cand.removed),
+                **{f"predicted_{m}": v for m, v in cand.costs.items()},
+            }
+        )
         if best is None or score < best[0]:
             best = (score, cand.choices)
     assert best is not None
@@ -329,7 +375,9 @@ def uniform_shape(spec: ArchSpec) -> str:
         if not b.removed and (s := _shape_of(b)) not in shapes.setdefault(b.kind, []):
             shapes[b.kind].append(s)
     removed = [i for i, b in enumerate(spec.blocks) if b.removed]
-    return "; ".join(f"{k}: {' | '.join(v)}" for k, v in shapes.items()) + (f"; removed blocks {removed}" if removed else "")
+    return "; ".join(f"{k}: {' | '.join(v)}" for k, v in shapes.items()) + (
+        f"; removed blocks {removed}" if removed else ""
+    )
 
 
 def _shape_of(b: Any) -> str:

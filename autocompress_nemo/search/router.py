@@ -20,7 +20,13 @@ import torch
 from autocompress_nemo.search.space import Decision
 
 LOWER_IS_BETTER = {
-    "response_latency_ms", "ttft_ms", "tpot_ms", "prefill_ms", "decode_ms", "memory_bytes", "params",
+    "response_latency_ms",
+    "ttft_ms",
+    "tpot_ms",
+    "prefill_ms",
+    "decode_ms",
+    "memory_bytes",
+    "params",
 }
 
 

@@ -55,10 +55,7 @@ def attention_options(parent: AttentionBlock, caps: Any, allow_remove: bool) -> 
     vary_groups = _cap(caps, "vary_kv_groups") and vary_q
     groups = range(1, parent.num_kv_groups + 1) if vary_groups else [parent.num_kv_groups]
     per_group = range(1, hpg + 1) if vary_q else [hpg]
-    opts = {
-        AttentionBlock(g * q, g, parent.head_dim)
-        for g, q in itertools.product(groups, per_group)
-    }
+    opts = {AttentionBlock(g * q, g, parent.head_dim) for g, q in itertools.product(groups, per_group)}
     ordered = sorted(opts, key=lambda b: (b.num_heads, b.num_kv_groups))
     # the parent last: among equal head counts prefer more KV groups (it is the parent's shape)
     ordered.remove(parent)
@@ -150,8 +147,9 @@ def _kind_shapes(items: list[tuple[int, Decision]]) -> list[dict[int, int]]:
         full = option_widths(d.options[d.parent_option])
         return tuple(w / max(1, p) for w, p in zip(option_widths(d.options[k]), full, strict=True))
 
-    targets = sorted({frac(d, k) for (_, d), ks in zip(items, kept, strict=True) for k in ks},
-                     key=lambda f: (sum(f), f))
+    targets = sorted(
+        {frac(d, k) for (_, d), ks in zip(items, kept, strict=True) for k in ks}, key=lambda f: (sum(f), f)
+    )
     out: list[dict[int, int]] = []
     for t in targets:
         assign = {}

@@ -56,9 +56,13 @@ class PartDecision(Decision):
         """The block after choosing ``option`` for this part of ``current``."""
         if self.kind == "moe_routed":
             assert isinstance(current, MoeBlock) and isinstance(option, MoeBlock)
-            return dataclasses.replace(current, num_experts=option.num_experts, expert_ffn=option.expert_ffn,
-                                       top_k=option.top_k if option.num_experts else current.top_k,
-                                       latent=option.latent)
+            return dataclasses.replace(
+                current,
+                num_experts=option.num_experts,
+                expert_ffn=option.expert_ffn,
+                top_k=option.top_k if option.num_experts else current.top_k,
+                latent=option.latent,
+            )
         if self.kind == "moe_shared":
             assert isinstance(current, MoeBlock) and isinstance(option, MoeBlock)
             return dataclasses.replace(current, shared_ffn=option.shared_ffn)
@@ -92,14 +96,31 @@ def moe_routed_options(parent: MoeBlock, spec: ArchSpec, caps: Any, n_levels: in
     e_align = int(_cap(caps, "expert_align", 1) or 1)
     mk = min_top_k(spec)
     ks = topk_levels(parent.top_k, mk) if _cap(caps, "vary_top_k") else [parent.top_k]
-    es = levels(parent.num_experts, n_levels, e_align, minimum=min(ks)) if _cap(caps, "vary_experts") \
+    es = (
+        levels(parent.num_experts, n_levels, e_align, minimum=min(ks))
+        if _cap(caps, "vary_experts")
         else [parent.num_experts]
-    fs = levels(parent.expert_ffn, n_levels, int(_cap(caps, "ffn_align", 1) or 1)) if _cap(caps, "vary_expert_ffn") \
+    )
+    fs = (
+        levels(parent.expert_ffn, n_levels, int(_cap(caps, "ffn_align", 1) or 1))
+        if _cap(caps, "vary_expert_ffn")
         else [parent.expert_ffn]
-    opts = {dataclasses.replace(routed, num_experts=e, expert_ffn=f, top_k=k)
-            for e, f, k in itertools.product(es, fs, ks) if k <= e}
-    ordered = sorted(opts, key=lambda b: (block_params(b, spec.hidden), block_params(b, spec.hidden, active=True),
-                                          b.num_experts, b.expert_ffn, b.top_k))
+    )
+    opts = {
+        dataclasses.replace(routed, num_experts=e, expert_ffn=f, top_k=k)
+        for e, f, k in itertools.product(es, fs, ks)
+        if k <= e
+    }
+    ordered = sorted(
+        opts,
+        key=lambda b: (
+            block_params(b, spec.hidden),
+            block_params(b, spec.hidden, active=True),
+            b.num_experts,
+            b.expert_ffn,
+            b.top_k,
+        ),
+    )
     ordered.remove(routed)
     ordered.append(routed)
     if _cap(caps, "remove_moe"):
@@ -139,8 +160,11 @@ def build_hybrid_space(parent: ArchSpec, caps: Any, ffn_options: int = 8, moe_le
             kind = "attention"
         elif isinstance(b, MlpBlock):
             allow = bool(_cap(caps, "remove_mlp")) and not (i == n - 1 and _cap(caps, "last_block_full"))
-            widths = ffn_widths(b.ffn, ffn_options, int(_cap(caps, "ffn_align", 1)), allow) if _cap(caps, "vary_ffn") \
+            widths = (
+                ffn_widths(b.ffn, ffn_options, int(_cap(caps, "ffn_align", 1)), allow)
+                if _cap(caps, "vary_ffn")
                 else ([0] if allow else []) + [b.ffn]
+            )
             opts, kind = [MlpBlock(w, b.activation) for w in widths], "mlp"
         elif isinstance(b, MambaBlock):
             opts, kind = mamba_options(b, caps), "mamba"
@@ -173,5 +197,7 @@ def apply_hybrid_choices(parent: ArchSpec, decisions: list[Decision], choices: l
 
 def decision_table(decisions: list[Decision]) -> list[dict[str, Any]]:
     """A JSON-able view of the space (for ``arch.json`` and reports)."""
-    return [{"block": d.block_index, "kind": d.kind, "options": [dataclasses.asdict(o) for o in d.options]}
-            for d in decisions]
+    return [
+        {"block": d.block_index, "kind": d.kind, "options": [dataclasses.asdict(o) for o in d.options]}
+        for d in decisions
+    ]

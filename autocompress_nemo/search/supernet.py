@@ -98,7 +98,10 @@ class Supernet:
     def set_choices(self, choices: list[int]) -> None:
         """Set one-hot masks: option ``choices[i]`` for decision ``i``."""
         self.set_choice_weights(
-            [torch.nn.functional.one_hot(torch.tensor(k), len(d.options)).float() for d, k in zip(self.decisions, choices, strict=True)]
+            [
+                torch.nn.functional.one_hot(torch.tensor(k), len(d.options)).float()
+                for d, k in zip(self.decisions, choices, strict=True)
+            ]
         )
 
     def clear(self) -> None:

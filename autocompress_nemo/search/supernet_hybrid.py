@@ -68,11 +68,18 @@ def hybrid_option_masks(d: Decision, parent: ArchSpec) -> dict[str, torch.Tensor
         return {"shared": _prefix(pb.shared_ffn, [o.shared_ffn for o in d.options])}  # type: ignore[union-attr]
     if d.kind == "moe_routed":
         ks = sorted({o.top_k for o in d.options if o.num_experts})  # type: ignore[union-attr]
-        topk = torch.stack([torch.tensor([float(o.num_experts and o.top_k == k) for k in ks])  # type: ignore[union-attr]
-                            for o in d.options])
-        return {"experts": _prefix(pb.num_experts, [o.num_experts for o in d.options]),  # type: ignore[union-attr]
-                "expert_ffn": _prefix(pb.expert_ffn, [o.expert_ffn for o in d.options]),  # type: ignore[union-attr]
-                "topk": topk, "topk_values": torch.tensor(ks, dtype=torch.float32).unsqueeze(0)}
+        topk = torch.stack(
+            [
+                torch.tensor([float(o.num_experts and o.top_k == k) for k in ks])  # type: ignore[union-attr]
+                for o in d.options
+            ]
+        )
+        return {
+            "experts": _prefix(pb.num_experts, [o.num_experts for o in d.options]),  # type: ignore[union-attr]
+            "expert_ffn": _prefix(pb.expert_ffn, [o.expert_ffn for o in d.options]),  # type: ignore[union-attr]
+            "topk": topk,
+            "topk_values": torch.tensor(ks, dtype=torch.float32).unsqueeze(0),
+        }
     raise ValueError(f"decision kind {d.kind!r} has no supernet mask")
 
 
@@ -126,8 +133,10 @@ class HybridSupernet(Supernet):
     def _install_routed(self, layer: Any, bi: int, pb: MoeBlock, ks: list[int]) -> None:
         cfg = layer.mlp.config
         if cfg.moe_router_group_topk or cfg.moe_expert_capacity_factor is not None:
-            raise ValueError(f"block {bi}: routed-expert decisions need plain top-k routing (no group-limited "
-                             "routing, no token dropping); fix the engine capabilities or the model config")
+            raise ValueError(
+                f"block {bi}: routed-expert decisions need plain top-k routing (no group-limited "
+                "routing, no token dropping); fix the engine capabilities or the model config"
+            )
         if getattr(cfg, "expert_tensor_parallel_size", 1) not in (None, 1):
             raise ValueError(f"block {bi}: routed-expert decisions do not support expert tensor parallelism")
         for expert in layer.mlp.experts.local_experts:
@@ -199,8 +208,12 @@ class HybridSupernet(Supernet):
                     self._masks[(d.block_index, name)] = w.to(m.dtype) @ m
 
     def set_choices(self, choices: list[int]) -> None:
-        self.set_choice_weights([torch.nn.functional.one_hot(torch.tensor(k), len(d.options)).float()
-                                 for d, k in zip(self.decisions, choices, strict=True)])
+        self.set_choice_weights(
+            [
+                torch.nn.functional.one_hot(torch.tensor(k), len(d.options)).float()
+                for d, k in zip(self.decisions, choices, strict=True)
+            ]
+        )
 
     def remove(self) -> None:
         super().remove()

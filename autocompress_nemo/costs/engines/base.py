@@ -53,9 +53,14 @@ def robust(samples: list[float], percentile: float) -> float:
 
 def spread(samples: list[float]) -> dict[str, float]:
     a = np.asarray(samples, dtype=np.float64)
-    return {"n": int(a.size), "min": float(a.min()), "p10": float(np.percentile(a, 10)),
-            "median": float(np.median(a)), "max": float(a.max()),
-            "rel_iqr": float((np.percentile(a, 75) - np.percentile(a, 25)) / max(np.median(a), 1e-12))}
+    return {
+        "n": int(a.size),
+        "min": float(a.min()),
+        "p10": float(np.percentile(a, 10)),
+        "median": float(np.median(a)),
+        "max": float(a.max()),
+        "rel_iqr": float((np.percentile(a, 75) - np.percentile(a, 25)) / max(np.median(a), 1e-12)),
+    }
 
 
 @dataclass
@@ -103,7 +108,7 @@ def capability_problems(spec: ArchSpec, caps: Any, parent: ArchSpec | None = Non
     for k in sorted(spec.kinds() - kinds):
         out.append(f"block kind {k!r} is not served (engine runs {sorted(kinds)})")
     ref: dict[str, Any] = {}
-    for b in (parent.blocks if parent else spec.blocks):
+    for b in parent.blocks if parent else spec.blocks:
         if not b.removed:
             ref.setdefault(b.kind, b)
     align = int(_cap(caps, "ffn_align", 1)) or 1
@@ -115,11 +120,15 @@ def capability_problems(spec: ArchSpec, caps: Any, parent: ArchSpec | None = Non
                     out.append(f"block {i}: removed attention is not served (remove_attention=False)")
                 continue
             if r is not None and b.num_heads != r.num_heads and not _cap(caps, "vary_query_heads"):
-                out.append(f"block {i}: {b.num_heads} query heads differ from the parent's {r.num_heads} "
-                           "(vary_query_heads=False: per-layer query heads are not served)")
+                out.append(
+                    f"block {i}: {b.num_heads} query heads differ from the parent's {r.num_heads} "
+                    "(vary_query_heads=False: per-layer query heads are not served)"
+                )
             if r is not None and b.num_kv_groups != r.num_kv_groups and not _cap(caps, "vary_kv_groups"):
-                out.append(f"block {i}: {b.num_kv_groups} KV groups differ from the parent's {r.num_kv_groups} "
-                           "(vary_kv_groups=False)")
+                out.append(
+                    f"block {i}: {b.num_kv_groups} KV groups differ from the parent's {r.num_kv_groups} "
+                    "(vary_kv_groups=False)"
+                )
             if r is not None and b.head_dim != r.head_dim:
                 out.append(f"block {i}: head_dim {b.head_dim} differs from {r.head_dim} (one head_dim per model)")
         elif isinstance(b, MlpBlock):
@@ -142,8 +151,10 @@ def capability_problems(spec: ArchSpec, caps: Any, parent: ArchSpec | None = Non
         if _cap(caps, "attention_needs_ffn"):
             for j, (a, m) in enumerate(layers):
                 if not a.removed and m.removed:
-                    out.append(f"layer {j}: attention without ffn (attention_needs_ffn: llama.cpp deci "
-                               "drops the attention output)")
+                    out.append(
+                        f"layer {j}: attention without ffn (attention_needs_ffn: llama.cpp deci "
+                        "drops the attention output)"
+                    )
         if all(a.removed for a, _ in layers) and "attention" in kinds:
             out.append("no layer keeps attention (the engine cannot create a context)")
     return out
@@ -184,8 +195,9 @@ class Engine:
     def measure(self, spec: ArchSpec, workload: Workload, weights: dict[str, np.ndarray] | None = None) -> Measurement:
         raise NotImplementedError
 
-    def measure_many(self, specs: list[ArchSpec], workload: Workload, *, rounds: int | None = None,
-                     log: Any = None) -> list[Measurement]:
+    def measure_many(
+        self, specs: list[ArchSpec], workload: Workload, *, rounds: int | None = None, log: Any = None
+    ) -> list[Measurement]:
         """Measure several models (engines that can interleave rounds override this)."""
         return [self.measure(s, workload) for s in specs]
 
@@ -194,7 +206,9 @@ class Engine:
 
     def device(self) -> str:
         hw = self.hardware
-        return str(getattr(hw, "device", "") or platform.processor() or platform.machine()) if hw else platform.machine()
+        return (
+            str(getattr(hw, "device", "") or platform.processor() or platform.machine()) if hw else platform.machine()
+        )
 
     def provenance(self) -> dict[str, Any]:
         """Engine-side provenance fields of a cost table."""

@@ -30,26 +30,44 @@ _DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "fp8": "bfloa
 def write_hf_config(spec: ArchSpec, out_dir: str | Path, dtype: str = "bf16") -> Path:
     """``config.json`` of a Llama (uniform) or DeciLM (heterogeneous) model of ``spec``."""
     if not spec.is_dense_layered():
-        raise ValueError(f"only (attention, mlp) layer stacks are written as HF Llama/DeciLM configs, got {spec.pattern!r}")
+        raise ValueError(
+            f"only (attention, mlp) layer stacks are written as HF Llama/DeciLM configs, got {spec.pattern!r}"
+        )
     layers = spec.layers()
     a0 = next((a for a, _ in layers if not a.removed), layers[0][0])
     m0 = next((m for _, m in layers if not m.removed), layers[0][1])
     cfg: dict[str, Any] = {
-        "hidden_size": spec.hidden, "vocab_size": spec.vocab, "num_hidden_layers": len(layers),
-        "num_attention_heads": a0.num_heads, "num_key_value_heads": a0.num_kv_groups, "head_dim": a0.head_dim,
-        "intermediate_size": m0.ffn, "rms_norm_eps": spec.norm_eps, "rope_theta": spec.rope_theta,
-        "max_position_embeddings": spec.max_position, "tie_word_embeddings": spec.tied_embeddings,
-        "hidden_act": "silu", "torch_dtype": _DTYPES.get(dtype, "bfloat16"), "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_size": spec.hidden,
+        "vocab_size": spec.vocab,
+        "num_hidden_layers": len(layers),
+        "num_attention_heads": a0.num_heads,
+        "num_key_value_heads": a0.num_kv_groups,
+        "head_dim": a0.head_dim,
+        "intermediate_size": m0.ffn,
+        "rms_norm_eps": spec.norm_eps,
+        "rope_theta": spec.rope_theta,
+        "max_position_embeddings": spec.max_position,
+        "tie_word_embeddings": spec.tied_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": _DTYPES.get(dtype, "bfloat16"),
+        "bos_token_id": 1,
+        "eos_token_id": 2,
     }
     if spec.is_uniform():
         cfg.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     else:
         blocks = []
         for a, m in layers:
-            att = ({"no_op": True, "replace_with_linear": False, "n_heads_in_group": None} if a.removed else
-                   {"no_op": False, "replace_with_linear": False, "n_heads_in_group": a0.num_heads // a.num_kv_groups})
-            ffn = ({"no_op": True, "replace_with_linear": False, "ffn_mult": None} if m.removed else
-                   {"no_op": False, "replace_with_linear": False, "ffn_mult": 3.0 * m.ffn / (2.0 * spec.hidden)})
+            att = (
+                {"no_op": True, "replace_with_linear": False, "n_heads_in_group": None}
+                if a.removed
+                else {"no_op": False, "replace_with_linear": False, "n_heads_in_group": a0.num_heads // a.num_kv_groups}
+            )
+            ffn = (
+                {"no_op": True, "replace_with_linear": False, "ffn_mult": None}
+                if m.removed
+                else {"no_op": False, "replace_with_linear": False, "ffn_mult": 3.0 * m.ffn / (2.0 * spec.hidden)}
+            )
             blocks.append({"attention": att, "ffn": ffn})
         cfg.update({"architectures": ["DeciLMForCausalLM"], "model_type": "nemotron-nas", "block_configs": blocks})
     out = Path(out_dir)
@@ -71,16 +89,20 @@ class HfLlmEngine(Engine):
     def check_servable(self, spec: ArchSpec, parent: ArchSpec | None = None) -> list[str]:
         out = super().check_servable(spec, parent)
         if not spec.is_dense_layered():
-            out.append(f"{self.name} adapter here writes Llama/DeciLM configs only; {spec.pattern!r} needs a "
-                       "Nemotron-H config writer")
+            out.append(
+                f"{self.name} adapter here writes Llama/DeciLM configs only; {spec.pattern!r} needs a "
+                "Nemotron-H config writer"
+            )
         return out
 
     def _require_cuda(self) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            raise RuntimeError(f"{self.name} needs an NVIDIA GPU (torch.cuda.is_available() is False); "
-                               "use the llama_cpp engine or the roofline estimate on this machine")
+            raise RuntimeError(
+                f"{self.name} needs an NVIDIA GPU (torch.cuda.is_available() is False); "
+                "use the llama_cpp engine or the roofline estimate on this machine"
+            )
 
     def _make_llm(self, model_dir: Path, wl: Workload) -> tuple[Any, Any]:
         """(llm, sampling-params class); subclasses build the engine with dummy weights."""
@@ -118,6 +140,11 @@ class HfLlmEngine(Engine):
         memory = self._memory(llm, spec, workload, log())
         llm = None  # release the engine before the next model
         self.runs += 1
-        return Measurement(prefill_ms=p_ms, decode_ms=robust(dec, pct), memory=memory,
-                           raw={"prefill_ms": pre, "decode_ms": dec, "generate_ms": full},
-                           spread={"prefill_ms": spread(pre), "decode_ms": spread(dec)}, wall_s=time.time() - t0)
+        return Measurement(
+            prefill_ms=p_ms,
+            decode_ms=robust(dec, pct),
+            memory=memory,
+            raw={"prefill_ms": pre, "decode_ms": dec, "generate_ms": full},
+            spread={"prefill_ms": spread(pre), "decode_ms": spread(dec)},
+            wall_s=time.time() - t0,
+        )

@@ -74,6 +74,7 @@ def parse_memory_log(text: str) -> dict[str, float]:
     Sums every ``... model buffer size = X MiB`` (mapped, repacked ...), and likewise for
     compute and output buffers; ``K (type): X MiB, V (type): Y MiB`` gives the KV parts.
     """
+
     def total(pattern: str) -> float:
         return sum(float(x) for x in re.findall(pattern, text)) * _MIB
 
@@ -113,7 +114,6 @@ class LlamaCppEngine(CpuTimedEngine):
 
         return f"llama-cpp-python {llama_cpp.__version__}"
 
-
     def check_servable(self, spec: ArchSpec, parent: ArchSpec | None = None) -> list[str]:
         out = super().check_servable(spec, parent)
         if not spec.is_dense_layered():
@@ -121,16 +121,31 @@ class LlamaCppEngine(CpuTimedEngine):
         return out
 
     # -- measurement ------------------------------------------------------------
-    def measure(self, spec: ArchSpec, workload: Workload, weights: dict[str, np.ndarray] | None = None,
-                *, gguf_path: str | Path | None = None, timing: bool = True) -> Measurement:
+    def measure(
+        self,
+        spec: ArchSpec,
+        workload: Workload,
+        weights: dict[str, np.ndarray] | None = None,
+        *,
+        gguf_path: str | Path | None = None,
+        timing: bool = True,
+    ) -> Measurement:
         """Write (or use ``gguf_path``), load, time and read the memory of one model (one round)."""
-        return self.measure_many([spec], workload, weights=[weights], gguf_paths=[gguf_path], rounds=1,
-                                 timing=timing)[0]
+        return self.measure_many([spec], workload, weights=[weights], gguf_paths=[gguf_path], rounds=1, timing=timing)[
+            0
+        ]
 
-    def measure_many(self, specs: list[ArchSpec], workload: Workload, *, rounds: int | None = None,
-                     weights: list[dict[str, np.ndarray] | None] | None = None,
-                     gguf_paths: list[str | Path | None] | None = None, timing: bool = True,
-                     log: Any = None) -> list[Measurement]:
+    def measure_many(
+        self,
+        specs: list[ArchSpec],
+        workload: Workload,
+        *,
+        rounds: int | None = None,
+        weights: list[dict[str, np.ndarray] | None] | None = None,
+        gguf_paths: list[str | Path | None] | None = None,
+        timing: bool = True,
+        log: Any = None,
+    ) -> list[Measurement]:
         """Measure several models in interleaved rounds.
 
         Each round loads every model in turn and takes a few samples; the statistic is taken
@@ -183,15 +198,21 @@ class LlamaCppEngine(CpuTimedEngine):
             raw = raws[i] if timing else {}
             mem = {k: mems[i].get(k, 0.0) for k in ("weights", "kv", "compute", "output")}
             extra = {f"memory_{k}": [mems[i][k]] for k in ("k", "v") if k in mems[i]}
-            out.append(Measurement(
-                prefill_ms=robust(raw["prefill_ms"], pct) if raw else float("nan"),
-                decode_ms=robust(raw["decode_ms"], pct) if raw else float("nan"),
-                memory=mem, raw={**raw, **extra}, spread={k: spread(v) for k, v in raw.items()},
-                wall_s=walls[i] + (time.time() - t0 - sum(walls)) / len(specs)))
+            out.append(
+                Measurement(
+                    prefill_ms=robust(raw["prefill_ms"], pct) if raw else float("nan"),
+                    decode_ms=robust(raw["decode_ms"], pct) if raw else float("nan"),
+                    memory=mem,
+                    raw={**raw, **extra},
+                    spread={k: spread(v) for k, v in raw.items()},
+                    wall_s=walls[i] + (time.time() - t0 - sum(walls)) / len(specs),
+                )
+            )
         return out
 
-    def _run(self, path: Path, vocab: int, wl: Workload, timing: bool, prefill_repeats: int,
-             decode_steps: int) -> tuple[dict[str, float], dict[str, list[float]]]:
+    def _run(
+        self, path: Path, vocab: int, wl: Workload, timing: bool, prefill_repeats: int, decode_steps: int
+    ) -> tuple[dict[str, float], dict[str, list[float]]]:
         import llama_cpp as L
 
         _install_log_capture()
@@ -224,8 +245,7 @@ class LlamaCppEngine(CpuTimedEngine):
             L.llama_model_free(model)
         return memory, raw
 
-    def _time(self, L: Any, ctx: Any, vocab: int, wl: Workload, repeats: int,
-              steps: int) -> dict[str, list[float]]:
+    def _time(self, L: Any, ctx: Any, vocab: int, wl: Workload, repeats: int, steps: int) -> dict[str, list[float]]:
         rng = np.random.default_rng(0)
         mem = L.llama_get_memory(ctx)
         n_batch = max(int(self.setting("n_batch", 2048)), wl.input_len * wl.batch)
@@ -256,7 +276,9 @@ class LlamaCppEngine(CpuTimedEngine):
 
         def prompt(n: int, start: int = 0, seqs: int = 1) -> list[tuple[int, int, int, bool]]:
             toks = rng.integers(0, vocab, size=n)
-            return [(int(toks[p - start]), p, s, p == start + n - 1) for s in range(seqs) for p in range(start, start + n)]
+            return [
+                (int(toks[p - start]), p, s, p == start + n - 1) for s in range(seqs) for p in range(start, start + n)
+            ]
 
         try:
             prefill: list[float] = []
@@ -283,8 +305,12 @@ class LlamaCppEngine(CpuTimedEngine):
                     decode.append(dt)
         finally:
             L.llama_batch_free(batch)
-        return {"prefill_ms": prefill, "decode_ms": decode, "prefill_wall_ms": wall["prefill_ms"],
-                "decode_wall_ms": wall["decode_ms"]}
+        return {
+            "prefill_ms": prefill,
+            "decode_ms": decode,
+            "prefill_wall_ms": wall["prefill_ms"],
+            "decode_wall_ms": wall["decode_ms"],
+        }
 
 
 def _ggml_type(name: str) -> int:

@@ -84,11 +84,15 @@ class RooflineEngine(Engine):
         dc_bytes = active * bw
         if isinstance(b, MoeBlock) and b.num_experts:
             touched = expected_experts_touched(b.num_experts, b.top_k, wl.batch)
-            dc_bytes = (block_params(b, hidden, active=True) + (touched - b.top_k) * (
-                block_params(b, hidden) - block_params(b, hidden, active=True)) / max(1, b.num_experts - b.top_k)) * bw
+            dc_bytes = (
+                block_params(b, hidden, active=True)
+                + (touched - b.top_k)
+                * (block_params(b, hidden) - block_params(b, hidden, active=True))
+                / max(1, b.num_experts - b.top_k)
+            ) * bw
         if isinstance(b, AttentionBlock):
             hd = b.num_heads * b.head_dim
-            pf_flops += 2.0 * hd * wl.batch * wl.input_len ** 2
+            pf_flops += 2.0 * hd * wl.batch * wl.input_len**2
             pf_bytes += 2 * b.num_kv_groups * b.head_dim * wl.batch * wl.input_len * bkv
             dc_flops += 4.0 * hd * wl.batch * c
             dc_bytes += 2 * b.num_kv_groups * b.head_dim * wl.batch * c * bkv
@@ -121,8 +125,9 @@ class RooflineEngine(Engine):
             "compute": mem.workspace_estimate(spec, min(tokens, workload.input_len * workload.batch)),
             "output": float(mem.output_buffer_bytes(spec.vocab, workload.batch)),
         }
-        return Measurement(prefill_ms=pf, decode_ms=dc, memory=memory, raw={"prefill_ms": [pf], "decode_ms": [dc]},
-                           estimated=True)
+        return Measurement(
+            prefill_ms=pf, decode_ms=dc, memory=memory, raw={"prefill_ms": [pf], "decode_ms": [dc]}, estimated=True
+        )
 
 
 def analytic_table(engine: RooflineEngine, parent: ArchSpec, workload: Workload, options: list[Block]) -> Any:
@@ -136,7 +141,7 @@ def analytic_table(engine: RooflineEngine, parent: ArchSpec, workload: Workload,
 
     seen: dict[Block, dict[str, Any]] = {}
     for b in [*options, *parent.blocks]:
-        for p in (moe_parts(b) if isinstance(b, MoeBlock) else (b,)):
+        for p in moe_parts(b) if isinstance(b, MoeBlock) else (b,):
             if p.removed or p in seen:
                 continue
             pf, dc = engine.block_ms(p, parent.hidden, workload)
@@ -145,12 +150,27 @@ def analytic_table(engine: RooflineEngine, parent: ArchSpec, workload: Workload,
     dtype = str(engine.cfg.dtype)
     tokens = int(engine.setting("max_num_tokens", workload.input_len * workload.batch))
     work = mem.workspace_estimate(parent, min(tokens, workload.input_len * workload.batch))
-    memory = {"output_bytes": float(mem.output_buffer_bytes(parent.vocab, workload.batch)), "compute_bytes": [],
-              "compute_base_bytes": work, "compute_range": [work, work], "weights_overhead_bytes": 0.0,
-              "kv_tokens": workload.context_len * workload.batch,
-              "norm_dtype": dtype if mem.bytes_per_element(dtype) >= 2 else "bf16"}
-    prov = make_provenance({**engine.provenance(), "estimated": True}, workload.__dict__,
-                           workload.decode_context(str(engine.setting("decode_context", "mean"))),
-                           expected_settings(engine.cfg), parent)
-    return CostTable(provenance=prov, parent=parent, intercept={"prefill_ms": pf, "decode_ms": dc},
-                     layer_overhead={"prefill_ms": 0.0, "decode_ms": 0.0}, blocks=list(seen.values()), memory=memory)
+    memory = {
+        "output_bytes": float(mem.output_buffer_bytes(parent.vocab, workload.batch)),
+        "compute_bytes": [],
+        "compute_base_bytes": work,
+        "compute_range": [work, work],
+        "weights_overhead_bytes": 0.0,
+        "kv_tokens": workload.context_len * workload.batch,
+        "norm_dtype": dtype if mem.bytes_per_element(dtype) >= 2 else "bf16",
+    }
+    prov = make_provenance(
+        {**engine.provenance(), "estimated": True},
+        workload.__dict__,
+        workload.decode_context(str(engine.setting("decode_context", "mean"))),
+        expected_settings(engine.cfg),
+        parent,
+    )
+    return CostTable(
+        provenance=prov,
+        parent=parent,
+        intercept={"prefill_ms": pf, "decode_ms": dc},
+        layer_overhead={"prefill_ms": 0.0, "decode_ms": 0.0},
+        blocks=list(seen.values()),
+        memory=memory,
+    )

@@ -57,8 +57,13 @@ from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, Ml
 from autocompress_nemo.costs.engines.base import CpuTimedEngine, Measurement, Workload, robust, spread
 
 LABEL = "PyTorch eager (transformers) on CPU — a measurement engine, not a production serving engine"
-_MAMBA_OPS = ("mamba2_chunk_scan", "causal_conv1d_fn", "mamba2_split_conv1d_scan_combined", "causal_conv1d_update",
-              "mamba2_selective_state_update")
+_MAMBA_OPS = (
+    "mamba2_chunk_scan",
+    "causal_conv1d_fn",
+    "mamba2_split_conv1d_scan_combined",
+    "causal_conv1d_update",
+    "mamba2_selective_state_update",
+)
 
 
 @contextlib.contextmanager
@@ -86,19 +91,29 @@ class _Zero(torch.nn.Module):
 def _block_fields(b: Any) -> dict[str, Any]:
     """The config fields a block of this shape needs in its own layer config."""
     if isinstance(b, MoeBlock):
-        return {"n_routed_experts": b.num_experts, "num_experts_per_tok": b.top_k, "moe_intermediate_size": b.expert_ffn,
-                "moe_shared_expert_intermediate_size": b.shared_ffn, "moe_latent_size": b.latent or None}
+        return {
+            "n_routed_experts": b.num_experts,
+            "num_experts_per_tok": b.top_k,
+            "moe_intermediate_size": b.expert_ffn,
+            "moe_shared_expert_intermediate_size": b.shared_ffn,
+            "moe_latent_size": b.latent or None,
+        }
     if isinstance(b, MlpBlock):
         return {"intermediate_size": b.ffn}
     if isinstance(b, MambaBlock):
-        return {"mamba_num_heads": b.num_heads, "n_groups": b.num_groups, "ssm_state_size": b.state_size,
-                "mamba_head_dim": b.head_dim}
+        return {
+            "mamba_num_heads": b.num_heads,
+            "n_groups": b.num_groups,
+            "ssm_state_size": b.state_size,
+            "mamba_head_dim": b.head_dim,
+        }
     assert isinstance(b, AttentionBlock)
     return {"num_attention_heads": b.num_heads, "num_key_value_heads": b.num_kv_groups, "head_dim": b.head_dim}
 
 
-def hf_eager_model(spec: ArchSpec, sd: dict[str, torch.Tensor], mn: Any, attn: str = "sdpa",
-                   dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def hf_eager_model(
+    spec: ArchSpec, sd: dict[str, torch.Tensor], mn: Any, attn: str = "sdpa", dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
     """transformers ``NemotronHForCausalLM`` of ``spec`` (any per-block shapes) holding ``sd``
     (Nemotron-H-named, ``models/hybrid/names.py``). ``mn``: the modeling module (``torch_mamba_ops``)."""
     from autocompress_nemo.models.nemotron_h.config import hf_config_from_spec
@@ -132,12 +147,16 @@ def hf_eager_model(spec: ArchSpec, sd: dict[str, torch.Tensor], mn: Any, attn: s
             state[k] = v
     state.update({k: torch.stack([d[e] for e in sorted(d)]) for k, d in experts.items()})
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not m.endswith("e_score_correction_bias")
-               and not (cspec.tied_embeddings and m.endswith("lm_head.weight"))]
+    missing = [
+        m
+        for m in missing
+        if not m.endswith("e_score_correction_bias") and not (cspec.tied_embeddings and m.endswith("lm_head.weight"))
+    ]
     empty = {n for n, p in model.named_parameters() if p.numel() == 0}
     if unexpected or set(missing) - empty:
-        raise RuntimeError(f"torch_eager: weights do not fit the transformers model: missing {missing}, "
-                           f"unexpected {unexpected}")
+        raise RuntimeError(
+            f"torch_eager: weights do not fit the transformers model: missing {missing}, unexpected {unexpected}"
+        )
     return model.to(dtype).eval()
 
 
@@ -181,8 +200,9 @@ class TorchEagerEngine(CpuTimedEngine):
     def check_servable(self, spec: ArchSpec, parent: ArchSpec | None = None) -> list[str]:
         out = super().check_servable(spec, parent)
         if spec.family != "nemotron_h":
-            out.append(f"torch_eager serves Nemotron-H hybrids (transformers NemotronHForCausalLM), got family "
-                       f"{spec.family!r}")
+            out.append(
+                f"torch_eager serves Nemotron-H hybrids (transformers NemotronHForCausalLM), got family {spec.family!r}"
+            )
         if not any(isinstance(b, AttentionBlock) and not b.removed for b in spec.blocks):
             out.append("no attention block left: transformers' NemotronH cache needs one (get_seq_length)")
         acts = {b.activation for b in spec.blocks if isinstance(b, (MlpBlock, MoeBlock)) and not b.removed}
@@ -201,9 +221,16 @@ class TorchEagerEngine(CpuTimedEngine):
     def measure(self, spec: ArchSpec, workload: Workload, weights: dict[str, Any] | None = None) -> Measurement:
         return self.measure_many([spec], workload, weights=[weights], rounds=1)[0]
 
-    def measure_many(self, specs: list[ArchSpec], workload: Workload, *, rounds: int | None = None,
-                     weights: list[dict[str, Any] | None] | None = None, timing: bool = True,
-                     log: Any = None) -> list[Measurement]:
+    def measure_many(
+        self,
+        specs: list[ArchSpec],
+        workload: Workload,
+        *,
+        rounds: int | None = None,
+        weights: list[dict[str, Any] | None] | None = None,
+        timing: bool = True,
+        log: Any = None,
+    ) -> list[Measurement]:
         """Measure several models in interleaved rounds (see the module docstring).
 
         The models of a group (as many as fit ``settings.hold_bytes`` of weights, default 2 GiB)
@@ -234,8 +261,9 @@ class TorchEagerEngine(CpuTimedEngine):
                         if sd is None:
                             sd = random_hf_state_dict(specs[i], seed=0)
                         sd = {k: torch.as_tensor(v) for k, v in sd.items()}
-                        model = hf_eager_model(specs[i], sd, mn, str(self.setting("attn_implementation", "sdpa")),
-                                               self._dtype())
+                        model = hf_eager_model(
+                            specs[i], sd, mn, str(self.setting("attn_implementation", "sdpa")), self._dtype()
+                        )
                         live[i] = _Live(model, specs[i], workload, self, self.clock() == "thread_cpu")
                         mems[i] = live[i].memory
                         walls[i] += time.time() - t
@@ -262,10 +290,16 @@ class TorchEagerEngine(CpuTimedEngine):
             timed = {k: v for k, v in raw.items() if k.endswith("_ms")}
             mem = {k: mems[i].get(k, 0.0) for k in ("weights", "kv", "state", "compute", "output")}
             extra = {f"memory_{k}": [v] for k, v in mems[i].items() if k not in mem}
-            out.append(Measurement(
-                prefill_ms=robust(raw["prefill_ms"], pct) if raw else float("nan"),
-                decode_ms=robust(raw["decode_ms"], pct) if raw else float("nan"),
-                memory=mem, raw={**raw, **extra}, spread={k: spread(v) for k, v in timed.items()}, wall_s=walls[i]))
+            out.append(
+                Measurement(
+                    prefill_ms=robust(raw["prefill_ms"], pct) if raw else float("nan"),
+                    decode_ms=robust(raw["decode_ms"], pct) if raw else float("nan"),
+                    memory=mem,
+                    raw={**raw, **extra},
+                    spread={k: spread(v) for k, v in timed.items()},
+                    wall_s=walls[i],
+                )
+            )
         return out
 
     def _groups(self, specs: list[ArchSpec]) -> list[list[int]]:
@@ -293,8 +327,9 @@ class _Live:
     first turn) and ``decode_warmup`` untimed + ``steps`` timed decode steps at context ``C``
     (each step's token is cropped from the attention KV cache again)."""
 
-    def __init__(self, model: torch.nn.Module, spec: ArchSpec, wl: Workload, engine: TorchEagerEngine,
-                 cpu_clock: bool) -> None:
+    def __init__(
+        self, model: torch.nn.Module, spec: ArchSpec, wl: Workload, engine: TorchEagerEngine, cpu_clock: bool
+    ) -> None:
         from autocompress_nemo.costs import memory as cmem
 
         self.model, self.spec, self.wl, self.cpu_clock = model, spec, wl, cpu_clock

@@ -45,10 +45,14 @@ class TrtllmEngine(HfLlmEngine):
         buf = io.StringIO()
         with redirect_stdout(buf):
             llm = LLM(
-                model=str(model_dir), backend=str(self.setting("backend", "pytorch")), load_format="dummy",
-                skip_tokenizer_init=True, dtype={"bf16": "bfloat16", "f16": "float16"}.get(str(self.cfg.dtype), "auto"),
+                model=str(model_dir),
+                backend=str(self.setting("backend", "pytorch")),
+                load_format="dummy",
+                skip_tokenizer_init=True,
+                dtype={"bf16": "bfloat16", "f16": "float16"}.get(str(self.cfg.dtype), "auto"),
                 tensor_parallel_size=int(getattr(self.cfg, "tensor_parallel", 1) or 1),
-                max_batch_size=max(1, wl.batch), max_seq_len=wl.context_len,
+                max_batch_size=max(1, wl.batch),
+                max_seq_len=wl.context_len,
                 max_num_tokens=int(self.setting("max_num_tokens", 8192)),
                 kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=float(self.cfg.kv_cache_fraction)),
             )

@@ -52,13 +52,17 @@ class VllmEngine(HfLlmEngine):
         cap = _Capture()
         logging.getLogger("vllm").addHandler(cap)
         llm = LLM(
-            model=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
+            model=str(model_dir),
+            load_format="dummy",
+            skip_tokenizer_init=True,
             dtype={"bf16": "bfloat16", "f16": "float16"}.get(str(self.cfg.dtype), "auto"),
-            max_model_len=wl.context_len, max_num_seqs=max(wl.batch, 1),
+            max_model_len=wl.context_len,
+            max_num_seqs=max(wl.batch, 1),
             gpu_memory_utilization=float(self.cfg.kv_cache_fraction),
             tensor_parallel_size=int(getattr(self.cfg, "tensor_parallel", 1) or 1),
             max_num_batched_tokens=int(self.setting("max_num_batched_tokens", max(8192, wl.input_len * wl.batch))),
-            enforce_eager=bool(self.setting("enforce_eager", False)), trust_remote_code=False,
+            enforce_eager=bool(self.setting("enforce_eager", False)),
+            trust_remote_code=False,
         )
         return llm, SamplingParams, lambda: "\n".join(cap.lines)
 

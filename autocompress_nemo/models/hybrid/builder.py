@@ -31,8 +31,10 @@ import torch
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.models import compat_cpu
 
-MAMBA_INSTALL = ("MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip install --no-deps --no-build-isolation "
-                 "mamba-ssm==2.3.2.post1 && pip install einops")
+MAMBA_INSTALL = (
+    "MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip install --no-deps --no-build-isolation "
+    "mamba-ssm==2.3.2.post1 && pip install einops"
+)
 
 
 def is_hybrid(spec: ArchSpec) -> bool:
@@ -45,8 +47,9 @@ def _require_mamba(spec: ArchSpec) -> None:
         return
     missing = [m for m in ("mamba_ssm", "einops") if importlib.util.find_spec(m) is None]
     if missing:
-        raise RuntimeError(f"ArchSpec {spec.name!r} has Mamba blocks but {missing} is not installed; install with: "
-                           f"{MAMBA_INSTALL}")
+        raise RuntimeError(
+            f"ArchSpec {spec.name!r} has Mamba blocks but {missing} is not installed; install with: {MAMBA_INSTALL}"
+        )
 
 
 def build_hybrid_model(
@@ -76,15 +79,19 @@ def build_hybrid_model(
     _require_mamba(spec)
     hf_names(spec)  # validates the family's block layout
     if not parallel_state.model_parallel_is_initialized():
-        raise RuntimeError("Megatron parallel state is not initialized: call "
-                           "autocompress_nemo.distributed.init_distributed(tp=..., ep=...) first")
+        raise RuntimeError(
+            "Megatron parallel state is not initialized: call "
+            "autocompress_nemo.distributed.init_distributed(tp=..., ep=...) first"
+        )
     use_te = resolve_impl(impl)  # type: ignore[arg-type]
     fam = family_options(spec)
-    config = model_config(spec, params_dtype=params_dtype, sequence_parallel=sequence_parallel, use_te=use_te,
-                          **config_overrides)
+    config = model_config(
+        spec, params_dtype=params_dtype, sequence_parallel=sequence_parallel, use_te=use_te, **config_overrides
+    )
     plan = block_plan(spec, config, use_te, fam.mamba_chunk_size)
-    stack_spec = ModuleSpec(module=per_block_stack_class(),
-                            params={"block_plan": plan, "final_norm": _modules(use_te)["final"]})
+    stack_spec = ModuleSpec(
+        module=per_block_stack_class(), params={"block_plan": plan, "final_norm": _modules(use_te)["final"]}
+    )
     torch.manual_seed(init_seed)
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

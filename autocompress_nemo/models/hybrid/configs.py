@@ -47,8 +47,11 @@ def family_options(spec: ArchSpec) -> FamilyOptions:
     if spec.family == "nemotron_h":
         scale = float(x.get("routed_scaling_factor", 1.0))
         return FamilyOptions(
-            position_embedding=str(x.get("position_embedding", "none")), qk_layernorm=False,
-            router_score="sigmoid", expert_bias=True, pre_softmax=False,
+            position_embedding=str(x.get("position_embedding", "none")),
+            qk_layernorm=False,
+            router_score="sigmoid",
+            expert_bias=True,
+            pre_softmax=False,
             scaling_factor=None if scale == 1.0 else scale,
             num_groups=groups if groups > 1 else None,
             group_topk=int(x.get("topk_group", 1)) if groups > 1 else None,
@@ -56,12 +59,19 @@ def family_options(spec: ArchSpec) -> FamilyOptions:
         )
     if spec.family == "qwen3_moe":
         return FamilyOptions(
-            position_embedding="rope", qk_layernorm=bool(x.get("qk_layernorm", True)), router_score="softmax",
-            expert_bias=False, pre_softmax=not bool(x.get("norm_topk_prob", True)), scaling_factor=None,
-            num_groups=None, group_topk=None, mamba_chunk_size=128,
+            position_embedding="rope",
+            qk_layernorm=bool(x.get("qk_layernorm", True)),
+            router_score="softmax",
+            expert_bias=False,
+            pre_softmax=not bool(x.get("norm_topk_prob", True)),
+            scaling_factor=None,
+            num_groups=None,
+            group_topk=None,
+            mamba_chunk_size=128,
         )
-    raise ValueError(f"ArchSpec {spec.name!r}: family {spec.family!r} is not a hybrid/MoE family "
-                     "(nemotron_h, qwen3_moe)")
+    raise ValueError(
+        f"ArchSpec {spec.name!r}: family {spec.family!r} is not a hybrid/MoE family (nemotron_h, qwen3_moe)"
+    )
 
 
 def squared_relu(x: torch.Tensor) -> torch.Tensor:
@@ -94,8 +104,12 @@ def _parallel_sizes() -> tuple[int, int, int, int]:
 
     if not ps.model_parallel_is_initialized():
         return 1, 1, 1, 1
-    return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-            ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
+    return (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_expert_tensor_parallel_world_size(),
+    )
 
 
 def check_shardable(spec: ArchSpec, tp: int, ep: int, etp: int) -> None:
@@ -112,16 +126,23 @@ def check_shardable(spec: ArchSpec, tp: int, ep: int, etp: int) -> None:
             problems.append(f"block {i}: {b.num_heads} Mamba heads / {b.num_groups} groups vs TP={tp}")
         elif isinstance(b, MoeBlock):
             if b.num_experts and b.expert_ffn and (b.num_experts % ep or b.expert_ffn % etp):
-                problems.append(f"block {i}: {b.num_experts} experts vs EP={ep} or expert ffn {b.expert_ffn} "
-                                f"vs expert-TP={etp}")
+                problems.append(
+                    f"block {i}: {b.num_experts} experts vs EP={ep} or expert ffn {b.expert_ffn} vs expert-TP={etp}"
+                )
             if b.shared_ffn % tp:
                 problems.append(f"block {i}: shared-expert ffn {b.shared_ffn} vs TP={tp}")
     if problems:
         raise ValueError("cannot shard the model: " + "; ".join(problems) + " (choose sizes that divide them)")
 
 
-def model_config(spec: ArchSpec, *, params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
-                 use_te: bool = False, **overrides: Any) -> Any:
+def model_config(
+    spec: ArchSpec,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    sequence_parallel: bool = False,
+    use_te: bool = False,
+    **overrides: Any,
+) -> Any:
     """The model-level ``TransformerConfig`` (the shapes of the first block of each kind)."""
     from megatron.core.transformer import TransformerConfig
 
@@ -130,42 +151,77 @@ def model_config(spec: ArchSpec, *, params_dtype: torch.dtype = torch.float32, s
     check_shardable(spec, tp, ep, etp)
     att: AttentionBlock | None = _first(spec, "attention")
     mlp: MlpBlock | None = _first(spec, "mlp")
-    moe: MoeBlock | None = next((b for b in spec.blocks if isinstance(b, MoeBlock) and b.num_experts and b.expert_ffn),
-                                None)
+    moe: MoeBlock | None = next(
+        (b for b in spec.blocks if isinstance(b, MoeBlock) and b.num_experts and b.expert_ffn), None
+    )
     mamba: MambaBlock | None = _first(spec, "mamba")
-    act_name = (mlp.activation if mlp else moe.activation if moe else "relu2" if spec.family == "nemotron_h"
-                else "swiglu")
+    act_name = (
+        mlp.activation if mlp else moe.activation if moe else "relu2" if spec.family == "nemotron_h" else "swiglu"
+    )
     act, gated = activation(act_name)
     head_dim = next((b.head_dim for b in spec.blocks if isinstance(b, AttentionBlock)), spec.hidden // 8 or 1)
     cfg: dict[str, Any] = dict(
-        num_layers=len(spec.blocks), hidden_size=spec.hidden,
-        num_attention_heads=att.num_heads if att else tp, num_query_groups=att.num_kv_groups if att else tp,
-        kv_channels=head_dim, ffn_hidden_size=mlp.ffn if mlp else 4 * spec.hidden,
-        normalization="RMSNorm", layernorm_epsilon=spec.norm_eps, activation_func=act, gated_linear_unit=gated,
-        add_bias_linear=False, add_qkv_bias=False, qk_layernorm=fam.qk_layernorm,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, use_cpu_initialization=not torch.cuda.is_available(),
-        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
-        sequence_parallel=sequence_parallel and tp > 1, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        num_layers=len(spec.blocks),
+        hidden_size=spec.hidden,
+        num_attention_heads=att.num_heads if att else tp,
+        num_query_groups=att.num_kv_groups if att else tp,
+        kv_channels=head_dim,
+        ffn_hidden_size=mlp.ffn if mlp else 4 * spec.hidden,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        activation_func=act,
+        gated_linear_unit=gated,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=fam.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        sequence_parallel=sequence_parallel and tp > 1,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         init_method_std=0.02,
         # Mamba-2: the fused conv+scan+norm kernel has no CPU reference (compat_cpu patch 4)
         use_mamba_mem_eff_path=torch.cuda.is_available(),
     )
     if mamba is not None:
-        cfg.update(mamba_num_heads=mamba.num_heads, mamba_head_dim=mamba.head_dim,
-                   mamba_state_dim=mamba.state_size, mamba_num_groups=mamba.num_groups)
+        cfg.update(
+            mamba_num_heads=mamba.num_heads,
+            mamba_head_dim=mamba.head_dim,
+            mamba_state_dim=mamba.state_size,
+            mamba_num_groups=mamba.num_groups,
+        )
     if moe is not None:
         cfg.update(
-            num_moe_experts=moe.num_experts, moe_ffn_hidden_size=moe.expert_ffn, moe_router_topk=moe.top_k,
-            moe_shared_expert_intermediate_size=moe.shared_ffn or None, moe_latent_size=moe.latent or None,
-            moe_router_score_function=fam.router_score, moe_router_enable_expert_bias=fam.expert_bias,
-            moe_router_pre_softmax=fam.pre_softmax, moe_router_topk_scaling_factor=fam.scaling_factor,
-            moe_router_num_groups=fam.num_groups, moe_router_group_topk=fam.group_topk,
-            moe_router_dtype="fp32", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+            num_moe_experts=moe.num_experts,
+            moe_ffn_hidden_size=moe.expert_ffn,
+            moe_router_topk=moe.top_k,
+            moe_shared_expert_intermediate_size=moe.shared_ffn or None,
+            moe_latent_size=moe.latent or None,
+            moe_router_score_function=fam.router_score,
+            moe_router_enable_expert_bias=fam.expert_bias,
+            moe_router_pre_softmax=fam.pre_softmax,
+            moe_router_topk_scaling_factor=fam.scaling_factor,
+            moe_router_num_groups=fam.num_groups,
+            moe_router_group_topk=fam.group_topk,
+            moe_router_dtype="fp32",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
             moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
-            moe_grouped_gemm=use_te, moe_permute_fusion=False, moe_router_fusion=False,
+            moe_grouped_gemm=use_te,
+            moe_permute_fusion=False,
+            moe_router_fusion=False,
             moe_shared_expert_overlap=False,
         )
     else:
@@ -181,29 +237,42 @@ def block_config(base: Any, block: Any) -> Any:
     if block.removed:
         return None
     if isinstance(block, AttentionBlock):
-        return dataclasses.replace(base, num_attention_heads=block.num_heads, num_query_groups=block.num_kv_groups,
-                                   kv_channels=block.head_dim)
+        return dataclasses.replace(
+            base, num_attention_heads=block.num_heads, num_query_groups=block.num_kv_groups, kv_channels=block.head_dim
+        )
     if isinstance(block, MlpBlock):
         act, gated = activation(block.activation)
         return dataclasses.replace(base, ffn_hidden_size=block.ffn, activation_func=act, gated_linear_unit=gated)
     if isinstance(block, MoeBlock):
         act, gated = activation(block.activation)
         if not (block.num_experts and block.expert_ffn):  # routed experts removed: the shared expert is a dense MLP
-            return dataclasses.replace(base, ffn_hidden_size=block.shared_ffn, activation_func=act,
-                                       gated_linear_unit=gated)
+            return dataclasses.replace(
+                base, ffn_hidden_size=block.shared_ffn, activation_func=act, gated_linear_unit=gated
+            )
         if block.top_k == 1 and base.moe_router_score_function == "sigmoid":
             raise ValueError(
                 "MoE block with top_k=1 and a sigmoid router: Hugging Face Nemotron-H normalizes the top-k "
                 "weights (a single expert gets weight 1.0) but Megatron only normalizes for top_k > 1; "
-                "use top_k >= 2")
+                "use top_k >= 2"
+            )
         if block.latent and base.moe_shared_expert_overlap:
             raise ValueError("LatentMoE blocks need moe_shared_expert_overlap=False")
         return dataclasses.replace(
-            base, num_moe_experts=block.num_experts, moe_ffn_hidden_size=block.expert_ffn,
-            moe_router_topk=block.top_k, moe_shared_expert_intermediate_size=block.shared_ffn or None,
-            moe_latent_size=block.latent or None, activation_func=act, gated_linear_unit=gated,
+            base,
+            num_moe_experts=block.num_experts,
+            moe_ffn_hidden_size=block.expert_ffn,
+            moe_router_topk=block.top_k,
+            moe_shared_expert_intermediate_size=block.shared_ffn or None,
+            moe_latent_size=block.latent or None,
+            activation_func=act,
+            gated_linear_unit=gated,
         )
     if isinstance(block, MambaBlock):
-        return dataclasses.replace(base, mamba_num_heads=block.num_heads, mamba_head_dim=block.head_dim,
-                                   mamba_state_dim=block.state_size, mamba_num_groups=block.num_groups)
+        return dataclasses.replace(
+            base,
+            mamba_num_heads=block.num_heads,
+            mamba_head_dim=block.head_dim,
+            mamba_state_dim=block.state_size,
+            mamba_num_groups=block.num_groups,
+        )
     raise TypeError(f"unknown block {block!r}")

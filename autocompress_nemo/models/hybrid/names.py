@@ -26,24 +26,46 @@ from dataclasses import dataclass
 from autocompress_nemo.arch.spec import ArchSpec
 
 _NEMOTRON_MIXER = {
-    "q": "q_proj.weight", "k": "k_proj.weight", "v": "v_proj.weight", "o": "o_proj.weight",
-    "up": "up_proj.weight", "down": "down_proj.weight", "gate": "gate_proj.weight",
-    "router": "gate.weight", "router_bias": "gate.e_score_correction_bias",
-    "shared_up": "shared_experts.up_proj.weight", "shared_down": "shared_experts.down_proj.weight",
+    "q": "q_proj.weight",
+    "k": "k_proj.weight",
+    "v": "v_proj.weight",
+    "o": "o_proj.weight",
+    "up": "up_proj.weight",
+    "down": "down_proj.weight",
+    "gate": "gate_proj.weight",
+    "router": "gate.weight",
+    "router_bias": "gate.e_score_correction_bias",
+    "shared_up": "shared_experts.up_proj.weight",
+    "shared_down": "shared_experts.down_proj.weight",
     "shared_gate": "shared_experts.gate_proj.weight",
-    "latent_down": "fc1_latent_proj.weight", "latent_up": "fc2_latent_proj.weight",
-    "in_proj": "in_proj.weight", "conv_w": "conv1d.weight", "conv_b": "conv1d.bias",
-    "dt_bias": "dt_bias", "A_log": "A_log", "D": "D", "mnorm": "norm.weight", "out_proj": "out_proj.weight",
+    "latent_down": "fc1_latent_proj.weight",
+    "latent_up": "fc2_latent_proj.weight",
+    "in_proj": "in_proj.weight",
+    "conv_w": "conv1d.weight",
+    "conv_b": "conv1d.bias",
+    "dt_bias": "dt_bias",
+    "A_log": "A_log",
+    "D": "D",
+    "mnorm": "norm.weight",
+    "out_proj": "out_proj.weight",
 }
 _QWEN_ATTN = {
-    "norm": "input_layernorm.weight", "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight",
-    "v": "self_attn.v_proj.weight", "o": "self_attn.o_proj.weight",
-    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+    "norm": "input_layernorm.weight",
+    "q": "self_attn.q_proj.weight",
+    "k": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
 }
 _QWEN_FFN = {
-    "norm": "post_attention_layernorm.weight", "router": "mlp.gate.weight",
-    "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight", "gate": "mlp.gate_proj.weight",
-    "shared_up": "mlp.shared_expert.up_proj.weight", "shared_down": "mlp.shared_expert.down_proj.weight",
+    "norm": "post_attention_layernorm.weight",
+    "router": "mlp.gate.weight",
+    "up": "mlp.up_proj.weight",
+    "down": "mlp.down_proj.weight",
+    "gate": "mlp.gate_proj.weight",
+    "shared_up": "mlp.shared_expert.up_proj.weight",
+    "shared_down": "mlp.shared_expert.down_proj.weight",
     "shared_gate": "mlp.shared_expert.gate_proj.weight",
 }
 
@@ -89,5 +111,7 @@ def hf_names(spec: ArchSpec) -> HfNames:
         return QWEN3_MOE
     if spec.family == "nemotron_h":
         return NEMOTRON_H
-    raise ValueError(f"ArchSpec {spec.name!r}: family {spec.family!r} has no hybrid/MoE checkpoint names "
-                     "(use family 'nemotron_h' or 'qwen3_moe')")
+    raise ValueError(
+        f"ArchSpec {spec.name!r}: family {spec.family!r} has no hybrid/MoE checkpoint names "
+        "(use family 'nemotron_h' or 'qwen3_moe')"
+    )

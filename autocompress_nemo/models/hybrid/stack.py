@@ -49,11 +49,24 @@ def _modules(use_te: bool) -> dict[str, Any]:
             TERowParallelLinear,
         )
 
-        return dict(norm=IdentityOp, moe_norm=TENorm, qk=TENorm, col=TELayerNormColumnParallelLinear,
-                    row=TERowParallelLinear, core=TEDotProductAttention, final=TENorm)
-    return dict(norm=compat_cpu.SequenceParallelTorchNorm, moe_norm=compat_cpu.SequenceParallelTorchNorm,
-                qk=compat_cpu.qk_norm, col=ColumnParallelLinear, row=RowParallelLinear, core=DotProductAttention,
-                final=compat_cpu.SequenceParallelTorchNorm)
+        return dict(
+            norm=IdentityOp,
+            moe_norm=TENorm,
+            qk=TENorm,
+            col=TELayerNormColumnParallelLinear,
+            row=TERowParallelLinear,
+            core=TEDotProductAttention,
+            final=TENorm,
+        )
+    return dict(
+        norm=compat_cpu.SequenceParallelTorchNorm,
+        moe_norm=compat_cpu.SequenceParallelTorchNorm,
+        qk=compat_cpu.qk_norm,
+        col=ColumnParallelLinear,
+        row=RowParallelLinear,
+        core=DotProductAttention,
+        final=compat_cpu.SequenceParallelTorchNorm,
+    )
 
 
 def block_layer_spec(block: Any, config: Any, use_te: bool, chunk_size: int = 128) -> Any:
@@ -76,33 +89,60 @@ def block_layer_spec(block: Any, config: Any, use_te: bool, chunk_size: int = 12
 
     m = _modules(use_te)
     if isinstance(block, MambaBlock):
-        return ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
-            norm=m["norm"],
-            mixer=ModuleSpec(module=MambaMixer, params={"d_conv": block.conv_kernel, "chunk_size": chunk_size},
-                             submodules=MambaMixerSubmodules(in_proj=m["col"], out_proj=m["row"])),
-            mamba_bda=get_bias_dropout_add))
+        return ModuleSpec(
+            module=MambaLayer,
+            submodules=MambaLayerSubmodules(
+                norm=m["norm"],
+                mixer=ModuleSpec(
+                    module=MambaMixer,
+                    params={"d_conv": block.conv_kernel, "chunk_size": chunk_size},
+                    submodules=MambaMixerSubmodules(in_proj=m["col"], out_proj=m["row"]),
+                ),
+                mamba_bda=get_bias_dropout_add,
+            ),
+        )
     if isinstance(block, AttentionBlock):
-        return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-            input_layernorm=m["norm"],
-            self_attention=ModuleSpec(
-                module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=m["col"], core_attention=m["core"], linear_proj=m["row"],
-                    q_layernorm=m["qk"] if config.qk_layernorm else IdentityOp,
-                    k_layernorm=m["qk"] if config.qk_layernorm else IdentityOp)),
-            self_attn_bda=get_bias_dropout_add))
-    dense = isinstance(block, MlpBlock) or (isinstance(block, MoeBlock) and not (block.num_experts and block.expert_ffn))
+        return ModuleSpec(
+            module=TransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                input_layernorm=m["norm"],
+                self_attention=ModuleSpec(
+                    module=SelfAttention,
+                    params={"attn_mask_type": AttnMaskType.causal},
+                    submodules=SelfAttentionSubmodules(
+                        linear_qkv=m["col"],
+                        core_attention=m["core"],
+                        linear_proj=m["row"],
+                        q_layernorm=m["qk"] if config.qk_layernorm else IdentityOp,
+                        k_layernorm=m["qk"] if config.qk_layernorm else IdentityOp,
+                    ),
+                ),
+                self_attn_bda=get_bias_dropout_add,
+            ),
+        )
+    dense = isinstance(block, MlpBlock) or (
+        isinstance(block, MoeBlock) and not (block.num_experts and block.expert_ffn)
+    )
     if dense:
-        return ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=m["norm"],
-            mlp=functools.partial(MLP.as_mlp_submodule,
-                                  submodules=MLPSubmodules(linear_fc1=m["col"], linear_fc2=m["row"])),
-            mlp_bda=get_bias_dropout_add))
+        return ModuleSpec(
+            module=MLPLayer,
+            submodules=TransformerLayerSubmodules(
+                pre_mlp_layernorm=m["norm"],
+                mlp=functools.partial(
+                    MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=m["col"], linear_fc2=m["row"])
+                ),
+                mlp_bda=get_bias_dropout_add,
+            ),
+        )
     if isinstance(block, MoeBlock):
-        return ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=m["moe_norm"],
-            mlp=get_moe_module_spec(use_te=use_te, num_experts=block.num_experts, moe_grouped_gemm=use_te),
-            mlp_bda=get_bias_dropout_add))
+        return ModuleSpec(
+            module=MoETransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                pre_mlp_layernorm=m["moe_norm"],
+                mlp=get_moe_module_spec(use_te=use_te, num_experts=block.num_experts, moe_grouped_gemm=use_te),
+                mlp_bda=get_bias_dropout_add,
+            ),
+        )
     raise TypeError(f"unknown block {block!r}")
 
 
@@ -126,10 +166,24 @@ def _stack_class() -> type:
     class PerBlockHybridStack(HybridStack):
         """``HybridStack`` whose block ``i`` is built from its own ``(spec, config)`` (see module doc)."""
 
-        def __init__(self, config: Any, submodules: Any = None, pre_process: bool = True, layer_type_list: Any = None,
-                     pp_layer_offset: int = 0, post_layer_norm: bool = True, post_process: bool = True,
-                     device: Any = None, dtype: Any = None, pg_collection: Any = None, is_mtp_layer: bool = False,
-                     name: str | None = None, *, block_plan: list[tuple[Any, Any]], final_norm: Any) -> None:
+        def __init__(
+            self,
+            config: Any,
+            submodules: Any = None,
+            pre_process: bool = True,
+            layer_type_list: Any = None,
+            pp_layer_offset: int = 0,
+            post_layer_norm: bool = True,
+            post_process: bool = True,
+            device: Any = None,
+            dtype: Any = None,
+            pg_collection: Any = None,
+            is_mtp_layer: bool = False,
+            name: str | None = None,
+            *,
+            block_plan: list[tuple[Any, Any]],
+            final_norm: Any,
+        ) -> None:
             MegatronModule.__init__(self, config=config)
             self.pre_process, self.post_layer_norm, self.post_process = pre_process, post_layer_norm, post_process
             self.is_mtp_layer = is_mtp_layer
@@ -148,8 +202,13 @@ def _stack_class() -> type:
                 elif symbol == Symbols.MAMBA:
                     layer = build_module(layer_spec, pp_layer_offset=pp_layer_offset, **kw)
                 elif symbol == Symbols.ATTENTION:
-                    layer = build_module(layer_spec, is_mtp_layer=is_mtp_layer, add_layer_offset=False,
-                                         pp_layer_offset=pp_layer_offset, **kw)
+                    layer = build_module(
+                        layer_spec,
+                        is_mtp_layer=is_mtp_layer,
+                        add_layer_offset=False,
+                        pp_layer_offset=pp_layer_offset,
+                        **kw,
+                    )
                 elif symbol in (Symbols.MLP, Symbols.MOE):
                     layer = build_module(layer_spec, add_layer_offset=False, **kw)
                 else:
@@ -157,8 +216,9 @@ def _stack_class() -> type:
                 self.layers.append(layer)
             self.num_layers_per_pipeline_rank = len(self.layers)
             if self.post_process and self.post_layer_norm:
-                self.final_norm = final_norm(config=config, hidden_size=config.hidden_size,
-                                             eps=config.layernorm_epsilon)
+                self.final_norm = final_norm(
+                    config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
+                )
 
     return PerBlockHybridStack
 

@@ -47,30 +47,59 @@ def _groups() -> dict[str, Any]:
     if not ps.model_parallel_is_initialized():
         return dict(tp=(1, 0, None), etp=(1, 0, None), ep=(1, 0, None))
     return dict(
-        tp=(ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
-            ps.get_tensor_model_parallel_group()),
-        etp=(ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(),
-             ps.get_expert_tensor_parallel_group()),
-        ep=(ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
-            ps.get_expert_model_parallel_group()),
+        tp=(
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_group(),
+        ),
+        etp=(
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_tensor_parallel_group(),
+        ),
+        ep=(
+            ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_model_parallel_rank(),
+            ps.get_expert_model_parallel_group(),
+        ),
     )
 
 
-_MAMBA = {"norm.weight": ("norm", "rep"), "mixer.in_proj.layer_norm_weight": ("norm", "rep"),
-          "mixer.in_proj.weight": ("in_proj", "mamba_in"), "mixer.conv1d_weight": ("conv_w", "mamba_conv"),
-          "mixer.conv1d_bias": ("conv_b", "mamba_conv"), "mixer.dt_bias": ("dt_bias", "row"),
-          "mixer.A_log": ("A_log", "row"), "mixer.D": ("D", "row"), "mixer.norm.weight": ("mnorm", "row"),
-          "mixer.out_proj.weight": ("out_proj", "col")}
-_ATTN = {"input_layernorm.weight": ("norm", "rep"), "self_attention.linear_qkv.layer_norm_weight": ("norm", "rep"),
-         "self_attention.linear_qkv.weight": ("qkv", "qkv"), "self_attention.linear_proj.weight": ("o", "col"),
-         "self_attention.q_layernorm.weight": ("q_norm", "rep"),
-         "self_attention.k_layernorm.weight": ("k_norm", "rep")}
-_DENSE = {"pre_mlp_layernorm.weight": ("norm", "rep"), "mlp.linear_fc1.layer_norm_weight": ("norm", "rep"),
-          "mlp.linear_fc1.weight": ("fc1", "fc1"), "mlp.linear_fc2.weight": ("down", "col")}
-_MOE = {"pre_mlp_layernorm.weight": ("norm", "rep"), "mlp.router.weight": ("router", "rep"),
-        "mlp.router.expert_bias": ("router_bias", "rep"), "mlp.fc1_latent_proj.weight": ("latent_down", "rep"),
-        "mlp.fc2_latent_proj.weight": ("latent_up", "rep"), "mlp.shared_experts.linear_fc1.weight": ("shared_fc1", "fc1"),
-        "mlp.shared_experts.linear_fc2.weight": ("shared_down", "col")}
+_MAMBA = {
+    "norm.weight": ("norm", "rep"),
+    "mixer.in_proj.layer_norm_weight": ("norm", "rep"),
+    "mixer.in_proj.weight": ("in_proj", "mamba_in"),
+    "mixer.conv1d_weight": ("conv_w", "mamba_conv"),
+    "mixer.conv1d_bias": ("conv_b", "mamba_conv"),
+    "mixer.dt_bias": ("dt_bias", "row"),
+    "mixer.A_log": ("A_log", "row"),
+    "mixer.D": ("D", "row"),
+    "mixer.norm.weight": ("mnorm", "row"),
+    "mixer.out_proj.weight": ("out_proj", "col"),
+}
+_ATTN = {
+    "input_layernorm.weight": ("norm", "rep"),
+    "self_attention.linear_qkv.layer_norm_weight": ("norm", "rep"),
+    "self_attention.linear_qkv.weight": ("qkv", "qkv"),
+    "self_attention.linear_proj.weight": ("o", "col"),
+    "self_attention.q_layernorm.weight": ("q_norm", "rep"),
+    "self_attention.k_layernorm.weight": ("k_norm", "rep"),
+}
+_DENSE = {
+    "pre_mlp_layernorm.weight": ("norm", "rep"),
+    "mlp.linear_fc1.layer_norm_weight": ("norm", "rep"),
+    "mlp.linear_fc1.weight": ("fc1", "fc1"),
+    "mlp.linear_fc2.weight": ("down", "col"),
+}
+_MOE = {
+    "pre_mlp_layernorm.weight": ("norm", "rep"),
+    "mlp.router.weight": ("router", "rep"),
+    "mlp.router.expert_bias": ("router_bias", "rep"),
+    "mlp.fc1_latent_proj.weight": ("latent_down", "rep"),
+    "mlp.fc2_latent_proj.weight": ("latent_up", "rep"),
+    "mlp.shared_experts.linear_fc1.weight": ("shared_fc1", "fc1"),
+    "mlp.shared_experts.linear_fc2.weight": ("shared_down", "col"),
+}
 _EXPERT = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.linear_fc(1|2)\.weight|linear_fc(1|2)\.weight(\d+))$")
 
 
@@ -88,8 +117,15 @@ def slot_of(spec: ArchSpec, model: Any, name: str, ep: tuple[int, int, Any]) -> 
     layer = model.decoder.layers[int(m.group(1))]
     g, rest = int(layer.layer_number) - 1, m.group(2)
     b = spec.blocks[g]
-    table = (_MAMBA if isinstance(b, MambaBlock) else _ATTN if isinstance(b, AttentionBlock)
-             else _MOE if _routed(b) else _DENSE)
+    table = (
+        _MAMBA
+        if isinstance(b, MambaBlock)
+        else _ATTN
+        if isinstance(b, AttentionBlock)
+        else _MOE
+        if _routed(b)
+        else _DENSE
+    )
     if rest in table:
         role, layout = table[rest]
         if isinstance(b, MoeBlock) and not _routed(b) and role in ("fc1", "down"):
@@ -100,8 +136,13 @@ def slot_of(spec: ArchSpec, model: Any, name: str, ep: tuple[int, int, Any]) -> 
         local = int(e.group(1) if e.group(1) is not None else e.group(4))
         fc = e.group(2) or e.group(3)
         n_local = b.num_experts // ep[0]  # type: ignore[union-attr]
-        return Slot(g, "expert_fc1" if fc == "1" else "expert_down", ep[1] * n_local + local,
-                    "fc1" if fc == "1" else "col", expert_tp=True)
+        return Slot(
+            g,
+            "expert_fc1" if fc == "1" else "expert_down",
+            ep[1] * n_local + local,
+            "fc1" if fc == "1" else "col",
+            expert_tp=True,
+        )
     raise KeyError(name)
 
 
@@ -110,12 +151,16 @@ def _mamba_sizes(b: MambaBlock, conv: bool) -> list[int]:
     return [b.d_inner, gn, gn] if conv else [b.d_inner, b.d_inner, gn, gn, b.num_heads]
 
 
-def shard(spec: ArchSpec, names: HfNames, s: Slot, hf: dict[str, torch.Tensor], n: int, r: int,
-          rows: int | None = None) -> torch.Tensor:
+def shard(
+    spec: ArchSpec, names: HfNames, s: Slot, hf: dict[str, torch.Tensor], n: int, r: int, rows: int | None = None
+) -> torch.Tensor:
     """This rank's Megatron tensor for slot ``s`` from full Hugging Face tensors."""
     if s.block < 0:
-        key = {"embed": names.embed, "final_norm": names.final_norm,
-               "lm_head": names.embed if spec.tied_embeddings else names.lm_head}[s.role]
+        key = {
+            "embed": names.embed,
+            "final_norm": names.final_norm,
+            "lm_head": names.embed if spec.tied_embeddings else names.lm_head,
+        }[s.role]
         t = hf[key]
         if s.layout == "vocab":
             t = torch.cat([t, t.new_zeros(rows * n - t.shape[0], *t.shape[1:])]) if rows * n > t.shape[0] else t  # type: ignore[operator]
@@ -212,8 +257,9 @@ def hf_to_megatron(spec: ArchSpec, hf_sd: dict[str, torch.Tensor], model: Any) -
     if spec.tied_embeddings and names.lm_head in unused and torch.equal(hf_sd[names.lm_head], hf_sd[names.embed]):
         unused.discard(names.lm_head)
     if unused and full_model:
-        problems.append(f"checkpoint tensors not used by the model: {sorted(unused)[:8]}"
-                        f"{' ...' if len(unused) > 8 else ''}")
+        problems.append(
+            f"checkpoint tensors not used by the model: {sorted(unused)[:8]}{' ...' if len(unused) > 8 else ''}"
+        )
     if problems:
         raise ValueError(f"checkpoint does not match ArchSpec {spec.name!r}:\n  " + "\n  ".join(problems))
 

@@ -9,5 +9,14 @@ from autocompress_nemo.models.hybrid.state_dict import hf_to_megatron, megatron_
 from autocompress_nemo.models.nemotron_h.config import export_spec, hf_config_from_spec, spec_from_hf_config
 from autocompress_nemo.models.nemotron_h.hf_io import export_hf, import_hf, load_hf
 
-__all__ = ["export_hf", "export_spec", "hf_config_from_spec", "hf_to_megatron", "import_hf", "load_hf",
-           "megatron_to_hf", "random_hf_state_dict", "spec_from_hf_config"]
+__all__ = [
+    "export_hf",
+    "export_spec",
+    "hf_config_from_spec",
+    "hf_to_megatron",
+    "import_hf",
+    "load_hf",
+    "megatron_to_hf",
+    "random_hf_state_dict",
+    "spec_from_hf_config",
+]

@@ -74,38 +74,70 @@ def hf_config_from_spec(spec: ArchSpec) -> dict[str, Any]:
     if acts - {"relu2"}:
         raise ValueError(f"Nemotron-H MLPs and experts are relu2; ArchSpec {spec.name!r} has {sorted(acts)}")
     cfg: dict[str, Any] = {
-        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
-        "vocab_size": spec.vocab, "hidden_size": spec.hidden, "hybrid_override_pattern": spec.pattern,
-        "num_hidden_layers": len(spec.blocks), "tie_word_embeddings": spec.tied_embeddings,
-        "layer_norm_epsilon": spec.norm_eps, "max_position_embeddings": spec.max_position,
-        "mlp_hidden_act": "relu2", "use_bias": False, "mlp_bias": False, "attention_bias": False,
-        "use_conv_bias": True, "mamba_proj_bias": False, "mamba_hidden_act": "silu",
-        "chunk_size": int(spec.extra.get("mamba_chunk_size", 128)), "residual_in_fp32": False,
-        "num_attention_heads": att.num_heads if att else 1, "num_key_value_heads": att.num_kv_groups if att else 1,
-        "head_dim": att.head_dim if att else spec.hidden, "intermediate_size": mlp.ffn if mlp else 0,
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "vocab_size": spec.vocab,
+        "hidden_size": spec.hidden,
+        "hybrid_override_pattern": spec.pattern,
+        "num_hidden_layers": len(spec.blocks),
+        "tie_word_embeddings": spec.tied_embeddings,
+        "layer_norm_epsilon": spec.norm_eps,
+        "max_position_embeddings": spec.max_position,
+        "mlp_hidden_act": "relu2",
+        "use_bias": False,
+        "mlp_bias": False,
+        "attention_bias": False,
+        "use_conv_bias": True,
+        "mamba_proj_bias": False,
+        "mamba_hidden_act": "silu",
+        "chunk_size": int(spec.extra.get("mamba_chunk_size", 128)),
+        "residual_in_fp32": False,
+        "num_attention_heads": att.num_heads if att else 1,
+        "num_key_value_heads": att.num_kv_groups if att else 1,
+        "head_dim": att.head_dim if att else spec.hidden,
+        "intermediate_size": mlp.ffn if mlp else 0,
     }
     if mam is not None:
-        cfg.update(mamba_num_heads=mam.num_heads, mamba_head_dim=mam.head_dim, ssm_state_size=mam.state_size,
-                   n_groups=mam.num_groups, conv_kernel=mam.conv_kernel)
+        cfg.update(
+            mamba_num_heads=mam.num_heads,
+            mamba_head_dim=mam.head_dim,
+            ssm_state_size=mam.state_size,
+            n_groups=mam.num_groups,
+            conv_kernel=mam.conv_kernel,
+        )
     if moe is not None:
-        cfg.update(n_routed_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
-                   moe_intermediate_size=moe.expert_ffn, moe_shared_expert_intermediate_size=moe.shared_ffn,
-                   n_shared_experts=1 if moe.shared_ffn else 0, moe_latent_size=moe.latent or None)
+        cfg.update(
+            n_routed_experts=moe.num_experts,
+            num_experts_per_tok=moe.top_k,
+            moe_intermediate_size=moe.expert_ffn,
+            moe_shared_expert_intermediate_size=moe.shared_ffn,
+            n_shared_experts=1 if moe.shared_ffn else 0,
+            moe_latent_size=moe.latent or None,
+        )
     cfg.update({"routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "norm_topk_prob": True})
     cfg.update({k: spec.extra[k] for k in _EXTRA_KEYS if k in spec.extra})
     if is_uniform(spec):
         return cfg
-    cfg.update(architectures=["NemotronHPuzzleForCausalLM"], model_type="nemotron_h_puzzle",
-               mtp_block_configs=[], num_nextn_predict_layers=0)
+    cfg.update(
+        architectures=["NemotronHPuzzleForCausalLM"],
+        model_type="nemotron_h_puzzle",
+        mtp_block_configs=[],
+        num_nextn_predict_layers=0,
+    )
     cfg["block_configs"] = [_block_config(b, cfg) for b in spec.blocks]
     return cfg
 
 
 def _block_config(b: Block, cfg: dict[str, Any]) -> dict[str, Any]:
     if isinstance(b, MoeBlock):
-        return {"block_type": "moe", "n_routed_experts": b.num_experts, "num_experts_per_tok": b.top_k,
-                "moe_intermediate_size": b.expert_ffn, "moe_shared_expert_intermediate_size": b.shared_ffn,
-                "moe_latent_size": b.latent or None}
+        return {
+            "block_type": "moe",
+            "n_routed_experts": b.num_experts,
+            "num_experts_per_tok": b.top_k,
+            "moe_intermediate_size": b.expert_ffn,
+            "moe_shared_expert_intermediate_size": b.shared_ffn,
+            "moe_latent_size": b.latent or None,
+        }
     if isinstance(b, MlpBlock):
         return {"block_type": "mlp", "intermediate_size": b.ffn}
     if isinstance(b, MambaBlock):
@@ -134,29 +166,57 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str = "") -> ArchSpec:
     else:
         pattern = cfg.get("hybrid_override_pattern") or "".join(
             {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-", "moe": "E"}[t]
-            for t in cfg["layers_block_type"])
+            for t in cfg["layers_block_type"]
+        )
         entries = [{"block_type": _PATTERN_TYPE[c]} for c in pattern]
     blocks: list[Block] = []
     for e in entries:
         c = {**cfg, **e}
         t = e["block_type"]
         if t == "mamba":
-            blocks.append(MambaBlock(int(c["mamba_num_heads"]), int(c["mamba_head_dim"]), int(c["ssm_state_size"]),
-                                     int(c["n_groups"]), int(c.get("conv_kernel", 4))))
+            blocks.append(
+                MambaBlock(
+                    int(c["mamba_num_heads"]),
+                    int(c["mamba_head_dim"]),
+                    int(c["ssm_state_size"]),
+                    int(c["n_groups"]),
+                    int(c.get("conv_kernel", 4)),
+                )
+            )
         elif t == "attention":
-            blocks.append(AttentionBlock(int(c["num_attention_heads"]), int(c["num_key_value_heads"]),
-                                         int(c.get("head_dim") or cfg["hidden_size"] // c["num_attention_heads"])))
+            blocks.append(
+                AttentionBlock(
+                    int(c["num_attention_heads"]),
+                    int(c["num_key_value_heads"]),
+                    int(c.get("head_dim") or cfg["hidden_size"] // c["num_attention_heads"]),
+                )
+            )
         elif t == "mlp":
             blocks.append(MlpBlock(int(c["intermediate_size"]), "relu2"))
         elif t == "moe":
             shared = int(c.get("moe_shared_expert_intermediate_size") or 0) if c.get("n_shared_experts", 1) else 0
-            blocks.append(MoeBlock(int(c["n_routed_experts"]), int(c["moe_intermediate_size"]),
-                                   int(c["num_experts_per_tok"]), shared, int(c.get("moe_latent_size") or 0), "relu2"))
+            blocks.append(
+                MoeBlock(
+                    int(c["n_routed_experts"]),
+                    int(c["moe_intermediate_size"]),
+                    int(c["num_experts_per_tok"]),
+                    shared,
+                    int(c.get("moe_latent_size") or 0),
+                    "relu2",
+                )
+            )
         else:
             raise ValueError(f"Nemotron-H block_type {t!r} is not supported (mamba, attention, mlp, moe)")
     extra = {k: cfg[k] for k in _EXTRA_KEYS if k in cfg}
     extra["mamba_chunk_size"] = int(cfg.get("chunk_size", 128))
-    return ArchSpec(hidden=int(cfg["hidden_size"]), vocab=int(cfg["vocab_size"]), blocks=tuple(blocks),
-                    family="nemotron_h", name=name, tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                    norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
-                    max_position=int(cfg.get("max_position_embeddings", 4096)), extra=extra)
+    return ArchSpec(
+        hidden=int(cfg["hidden_size"]),
+        vocab=int(cfg["vocab_size"]),
+        blocks=tuple(blocks),
+        family="nemotron_h",
+        name=name,
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        max_position=int(cfg.get("max_position_embeddings", 4096)),
+        extra=extra,
+    )

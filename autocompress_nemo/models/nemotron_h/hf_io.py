@@ -37,8 +37,13 @@ def compact_state_dict(spec: ArchSpec, sd: dict[str, torch.Tensor]) -> tuple[Arc
     return new_spec, out
 
 
-def export_hf(spec: ArchSpec, model_or_sd: Any, out_dir: str | os.PathLike[str], tokenizer: Any = None,
-              dtype: torch.dtype = torch.float32) -> Path | None:
+def export_hf(
+    spec: ArchSpec,
+    model_or_sd: Any,
+    out_dir: str | os.PathLike[str],
+    tokenizer: Any = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path | None:
     """Write ``spec`` (uniform: ``NemotronHForCausalLM``; heterogeneous: Puzzle format) to ``out_dir``.
 
     ``model_or_sd`` is a Megatron model (collective over TP/EP: call on every rank; rank 0 writes)

@@ -11,5 +11,13 @@ from autocompress_nemo.models.qwen3_moe.hf_io import export_hf, hf_config_from_s
 
 import_hf = load_hf
 
-__all__ = ["export_hf", "hf_config_from_spec", "hf_to_megatron", "import_hf", "load_hf", "megatron_to_hf",
-           "random_hf_state_dict", "spec_from_hf_config"]
+__all__ = [
+    "export_hf",
+    "hf_config_from_spec",
+    "hf_to_megatron",
+    "import_hf",
+    "load_hf",
+    "megatron_to_hf",
+    "random_hf_state_dict",
+    "spec_from_hf_config",
+]

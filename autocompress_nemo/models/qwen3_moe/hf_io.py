@@ -37,22 +37,38 @@ def hf_config_from_spec(spec: ArchSpec) -> dict[str, Any]:
     if moe is not None and (moe.shared_ffn or moe.latent or moe.activation != "swiglu"):
         problems.append("Qwen3-MoE experts are SwiGLU without shared expert or latent projection")
     if problems:
-        raise ValueError(f"ArchSpec {spec.name!r} cannot be written as a Qwen3MoeForCausalLM config: "
-                         + "; ".join(problems) + " (a heterogeneous Qwen3-MoE has no standard HF format)")
+        raise ValueError(
+            f"ArchSpec {spec.name!r} cannot be written as a Qwen3MoeForCausalLM config: "
+            + "; ".join(problems)
+            + " (a heterogeneous Qwen3-MoE has no standard HF format)"
+        )
     att: AttentionBlock = next(iter(atts))  # type: ignore[assignment]
     assert moe is not None
     mlp_only = [i for i, b in enumerate(ffns) if isinstance(b, MlpBlock)]
     return {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": spec.vocab,
-        "hidden_size": spec.hidden, "num_hidden_layers": len(ffns), "num_attention_heads": att.num_heads,
-        "num_key_value_heads": att.num_kv_groups, "head_dim": att.head_dim, "hidden_act": "silu",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": spec.vocab,
+        "hidden_size": spec.hidden,
+        "num_hidden_layers": len(ffns),
+        "num_attention_heads": att.num_heads,
+        "num_key_value_heads": att.num_kv_groups,
+        "head_dim": att.head_dim,
+        "hidden_act": "silu",
         "intermediate_size": next(iter(mlps)).ffn if mlps else moe.expert_ffn,
-        "moe_intermediate_size": moe.expert_ffn, "num_experts": moe.num_experts,
-        "num_experts_per_tok": moe.top_k, "norm_topk_prob": bool(spec.extra.get("norm_topk_prob", True)),
-        "decoder_sparse_step": 1, "mlp_only_layers": mlp_only, "rms_norm_eps": spec.norm_eps,
-        "max_position_embeddings": spec.max_position, "tie_word_embeddings": spec.tied_embeddings,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta}, "rope_theta": spec.rope_theta,
-        "attention_bias": False, "use_sliding_window": False,
+        "moe_intermediate_size": moe.expert_ffn,
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "norm_topk_prob": bool(spec.extra.get("norm_topk_prob", True)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": mlp_only,
+        "rms_norm_eps": spec.norm_eps,
+        "max_position_embeddings": spec.max_position,
+        "tie_word_embeddings": spec.tied_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "rope_theta": spec.rope_theta,
+        "attention_bias": False,
+        "use_sliding_window": False,
     }
 
 
@@ -71,16 +87,27 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str = "") -> ArchSpec:
         sparse = layer not in mlp_only and moe.num_experts > 0 and (layer + 1) % step == 0
         blocks += [att, moe if sparse else MlpBlock(int(cfg["intermediate_size"]))]
     rope = cfg.get("rope_parameters") or {}
-    return ArchSpec(hidden=hidden, vocab=int(cfg["vocab_size"]), blocks=tuple(blocks), family="qwen3_moe", name=name,
-                    tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                    norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                    rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-                    max_position=int(cfg.get("max_position_embeddings", 4096)),
-                    extra={"norm_topk_prob": bool(cfg.get("norm_topk_prob", False))})
+    return ArchSpec(
+        hidden=hidden,
+        vocab=int(cfg["vocab_size"]),
+        blocks=tuple(blocks),
+        family="qwen3_moe",
+        name=name,
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        max_position=int(cfg.get("max_position_embeddings", 4096)),
+        extra={"norm_topk_prob": bool(cfg.get("norm_topk_prob", False))},
+    )
 
 
-def export_hf(spec: ArchSpec, model_or_sd: Any, out_dir: str | os.PathLike[str], tokenizer: Any = None,
-              dtype: torch.dtype = torch.float32) -> Path | None:
+def export_hf(
+    spec: ArchSpec,
+    model_or_sd: Any,
+    out_dir: str | os.PathLike[str],
+    tokenizer: Any = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path | None:
     """Write a uniform Qwen3-MoE ``spec`` to ``out_dir`` (Megatron model: collective, rank 0 writes)."""
     sd = dict(model_or_sd) if isinstance(model_or_sd, dict) else megatron_to_hf(spec, model_or_sd)
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
