@@ -42,6 +42,24 @@ def hetero_hybrid_spec() -> ArchSpec:
     return ArchSpec(hidden=64, vocab=256, blocks=blocks, family="nemotron_h", name="tiny_hetero_hybrid")
 
 
+# Every hybrid decision an engine could serve (top-k, block removal included), ffn aligned to 16.
+ALL_CAPS = {
+    "vary_query_heads": True,
+    "vary_kv_groups": True,
+    "vary_ffn": True,
+    "remove_attention": True,
+    "remove_mlp": True,
+    "vary_experts": True,
+    "vary_expert_ffn": True,
+    "vary_shared_ffn": True,
+    "vary_top_k": True,
+    "vary_mamba_heads": True,
+    "remove_mamba": True,
+    "remove_moe": True,
+    "ffn_align": 16,
+}
+
+
 def ids(spec: ArchSpec, T: int = 12, B: int = 2, seed: int = 3) -> torch.Tensor:
     return torch.randint(0, spec.vocab, (B, T), generator=torch.Generator().manual_seed(seed))
 

@@ -10,7 +10,7 @@ Tolerance 2e-5 on logits: the child's matmuls have other shapes (float32 sums in
 from __future__ import annotations
 
 import torch
-from hybrid_utils import conf_spec, ids, requires_mamba
+from hybrid_utils import ALL_CAPS, conf_spec, ids, requires_mamba
 
 from autocompress_nemo.arch.counts import param_count
 from autocompress_nemo.extract.slice import slice_state_dict
@@ -22,21 +22,7 @@ from autocompress_nemo.search.supernet import Supernet
 from tests.method_utils import ParamCost
 
 TOL = 2e-5
-ALL = {
-    "vary_query_heads": True,
-    "vary_kv_groups": True,
-    "vary_ffn": True,
-    "remove_attention": True,
-    "remove_mlp": True,
-    "vary_experts": True,
-    "vary_expert_ffn": True,
-    "vary_shared_ffn": True,
-    "vary_top_k": True,
-    "vary_mamba_heads": True,
-    "remove_mamba": True,
-    "remove_moe": True,
-    "ffn_align": 16,
-}
+ALL = ALL_CAPS
 
 
 def _model(spec, sd):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hybrid_utils import conf_spec, ids, requires_mamba
+from hybrid_utils import ALL_CAPS, conf_spec, ids, requires_mamba
 
 from autocompress_nemo.arch.counts import block_params, param_count
 from autocompress_nemo.arch.spec import ArchSpec, MambaBlock, MlpBlock
@@ -28,21 +28,7 @@ from tests.method_utils import CAPS, TINY, ParamCost
 
 # the torch_eager CPU engine's capabilities (conf/engine/torch_eager_cpu.yaml) but with attention
 # removal allowed, so that every block of tiny_hybrid is a removable unit
-ALL = {
-    "vary_query_heads": True,
-    "vary_kv_groups": True,
-    "vary_ffn": True,
-    "remove_attention": True,
-    "remove_mlp": True,
-    "vary_experts": True,
-    "vary_expert_ffn": True,
-    "vary_shared_ffn": True,
-    "vary_top_k": True,
-    "vary_mamba_heads": True,
-    "remove_mamba": True,
-    "remove_moe": True,
-    "ffn_align": 16,
-}
+ALL = ALL_CAPS
 ZEROED = 3  # the Mamba block made an identity by zeroing its output projection
 
 

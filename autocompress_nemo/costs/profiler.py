@@ -253,21 +253,7 @@ def build_table(
     settings.update({"percentile": float(engine.cfg.percentile), "k1": plan.k1, "k2": plan.k2})
     seen = [m.memory.get("compute", 0.0) for m in results] + list(memory["compute_range"])
     memory["compute_range"] = [min(seen), max(seen)]  # over profiling models and probes
-    prov = make_provenance(
-        engine.provenance(),
-        workload.__dict__,
-        workload.decode_context(str(engine.setting("decode_context", "mean"))),
-        expected_settings(engine.cfg),
-        parent,
-    )
-    prov.update(
-        {
-            "profile_models": len(jobs),
-            "engine_runs": int(getattr(engine, "runs", len(jobs))),
-            "profile_wall_s": round(time.time() - t_start, 2),
-            "profile": settings,
-        }
-    )
+    prov = _table_provenance(engine, workload, parent, len(jobs), t_start, settings)
     return CostTable(
         provenance=prov,
         parent=parent,
@@ -410,22 +396,15 @@ def build_hybrid_table(
     settings.update(
         {"percentile": float(engine.cfg.percentile), "method": f"hybrid_{method}", **extra.pop("settings", {})}
     )
-    prov = make_provenance(
-        engine.provenance(),
-        workload.__dict__,
-        workload.decode_context(str(engine.setting("decode_context", "mean"))),
-        expected_settings(engine.cfg),
+    prov = _table_provenance(
+        engine,
+        workload,
         parent,
-    )
-    prov.update(
-        {
-            "profile_models": len(specs),
-            "engine_runs": int(getattr(engine, "runs", len(specs))),
-            "profile_wall_s": round(time.time() - t_start, 2),
-            "profile": settings,
-            "profile_model_hashes": sorted({spec_hash(s) for s in specs}),
-            **extra,
-        }
+        len(specs),
+        t_start,
+        settings,
+        profile_model_hashes=sorted({spec_hash(s) for s in specs}),
+        **extra,
     )
     log(
         f"[profile] hybrid table ({method}): {len(blocks)} block options; intercept prefill "
@@ -440,6 +419,30 @@ def build_hybrid_table(
         memory=memory,
         runs=runs,
     )
+
+
+def _table_provenance(
+    engine: Any, workload: Any, parent: ArchSpec, n_models: int, t_start: float, settings: dict[str, Any], **extra: Any
+) -> dict[str, Any]:
+    """A cost table's provenance: the engine's fields, the workload, the decode context, the
+    settings that must match at load time, the parent, and what this profiling run spent."""
+    prov = make_provenance(
+        engine.provenance(),
+        workload.__dict__,
+        workload.decode_context(str(engine.setting("decode_context", "mean"))),
+        expected_settings(engine.cfg),
+        parent,
+    )
+    prov.update(
+        {
+            "profile_models": n_models,
+            "engine_runs": int(getattr(engine, "runs", n_models)),
+            "profile_wall_s": round(time.time() - t_start, 2),
+            "profile": settings,
+            **extra,
+        }
+    )
+    return prov
 
 
 def _progress(log: Callable[[str], None], total: int, t_start: float) -> Callable[[str], None]:
