@@ -40,6 +40,36 @@ import torch.nn.functional as F
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock
 from autocompress_nemo.models import compat_cpu
 
+
+def common_config(
+    spec: ArchSpec, params_dtype: torch.dtype, tp: int, pp: int, sequence_parallel: bool
+) -> dict[str, Any]:
+    """``TransformerConfig`` fields every family shares here: RMSNorm, no biases, no dropout, no
+    fused kernels (CPU has none; GPU runs the same numerics), CPU initialization without CUDA,
+    the parameter dtype and the TP / PP sizes (sequence parallelism only with TP > 1)."""
+    return dict(
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        sequence_parallel=sequence_parallel and tp > 1,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        init_method_std=0.02,
+    )
+
+
 Impl = Literal["auto", "local", "te"]
 
 
@@ -184,29 +214,11 @@ def transformer_config(
         num_query_groups=ref.num_kv_groups,
         kv_channels=head_dim,
         ffn_hidden_size=ffn0,
-        normalization="RMSNorm",
-        layernorm_epsilon=spec.norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
-        add_bias_linear=False,
         add_qkv_bias=qkv_bias,
         qk_layernorm=qk_layernorm,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        params_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        fp16=params_dtype == torch.float16,
-        sequence_parallel=sequence_parallel and tp > 1,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        init_method_std=0.02,
+        **common_config(spec, params_dtype, tp, pp, sequence_parallel),
         heterogeneous_layers_config_encoded_json=json.dumps({"block_configs": block_configs(spec)}),
     )
     cfg.update(overrides)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.models.builder import common_config
 
 
 @dataclass(frozen=True)
@@ -167,31 +168,13 @@ def model_config(
         num_query_groups=att.num_kv_groups if att else tp,
         kv_channels=head_dim,
         ffn_hidden_size=mlp.ffn if mlp else 4 * spec.hidden,
-        normalization="RMSNorm",
-        layernorm_epsilon=spec.norm_eps,
         activation_func=act,
         gated_linear_unit=gated,
-        add_bias_linear=False,
         add_qkv_bias=False,
         qk_layernorm=fam.qk_layernorm,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        params_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        fp16=params_dtype == torch.float16,
-        sequence_parallel=sequence_parallel and tp > 1,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
+        **common_config(spec, params_dtype, tp, pp, sequence_parallel),
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
-        init_method_std=0.02,
         # Mamba-2: the fused conv+scan+norm kernel has no CPU reference (compat_cpu patch 4)
         use_mamba_mem_eff_path=torch.cuda.is_available(),
     )
