@@ -21,7 +21,7 @@ import json
 
 import pytest
 import torch
-from hybrid_utils import conf_spec, hetero_hybrid_spec, ids, requires_mamba, transformers_nemotron_h
+from hybrid_utils import ALL_CAPS, conf_spec, hetero_hybrid_spec, ids, requires_mamba, transformers_nemotron_h
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock, MoeBlock
 from autocompress_nemo.models.builder import build_model, forward_logits
@@ -115,19 +115,7 @@ def test_scores_json_round_trip_and_option_importance(megatron_tp1):
     )
     assert MoeMambaPermutations.from_dict({"experts": {"2": [1, 0]}}).experts[2].tolist() == [1, 0]
 
-    caps = {
-        "vary_query_heads": True,
-        "vary_kv_groups": True,
-        "vary_ffn": True,
-        "remove_attention": True,
-        "remove_mlp": True,
-        "vary_experts": True,
-        "vary_expert_ffn": True,
-        "vary_shared_ffn": True,
-        "vary_mamba_heads": True,
-        "remove_mamba": True,
-        "ffn_align": 16,
-    }
+    caps = {**ALL_CAPS, "vary_top_k": False, "remove_moe": False}
     decisions = build_space(spec, caps)
     s = sorted_scores(imp, perms)
     rows = option_importance(decisions, s, spec)

@@ -33,19 +33,24 @@ def test_nan_step_is_skipped_and_nan_checkpoint_not_resumed(tmp_path, megatron_t
 
     logs: list[str] = []
     ckpt = str(tmp_path / "router.pt")
-    out = run_router_search(
-        model,
-        spec,
-        decisions,
-        ParamCost(),
-        {"params": 0.75 * param_count(spec)},
-        lambda s: batches[s],
-        forward,
-        Cfg(),
-        seed=1,
-        log=logs.append,
-        checkpoint=ckpt,
-    )
+
+    def search(fwd):  # noqa: ANN001, ANN202 - the same search, resumable from ``ckpt``
+        budget = {"params": 0.75 * param_count(spec)}
+        return run_router_search(
+            model,
+            spec,
+            decisions,
+            ParamCost(),
+            budget,
+            lambda s: batches[s],
+            fwd,
+            Cfg(),
+            seed=1,
+            log=logs.append,
+            checkpoint=ckpt,
+        )
+
+    out = search(forward)
     assert [r["skipped"] for r in out.trajectory] == [False, False, True, False, False, False]
     assert any("update skipped" in s for s in logs)
     assert all(len(p) == len(d.options) and all(v == v for v in p) for p, d in zip(out.probs, decisions, strict=True))
@@ -55,18 +60,6 @@ def test_nan_step_is_skipped_and_nan_checkpoint_not_resumed(tmp_path, megatron_t
     st["router"] = {k: v * float("nan") for k, v in st["router"].items()}
     torch.save(st, ckpt)
     logs.clear()
-    again = run_router_search(
-        model,
-        spec,
-        decisions,
-        ParamCost(),
-        {"params": 0.75 * param_count(spec)},
-        lambda s: batches[s],
-        forward_logits,
-        Cfg(),
-        seed=1,
-        log=logs.append,
-        checkpoint=ckpt,
-    )
+    again = search(forward_logits)
     assert any("non-finite router logits; starting from step 0" in s for s in logs)
     assert len(again.trajectory) == Cfg.steps

@@ -195,21 +195,9 @@ def build_table(
     results = engine.measure_many(specs, workload, log=progress)
     meas: dict[str, Measurement] = {}
     runs: list[dict[str, Any]] = []
-    for (name, x, k), m in zip(jobs, results, strict=True):
+    for (name, x, k), m, s in zip(jobs, results, specs, strict=True):
         meas[name] = m
-        runs.append(
-            {
-                "name": name,
-                "layer": [x[0].__dict__, x[1].__dict__],
-                "k": k,
-                "prefill_ms": m.prefill_ms,
-                "decode_ms": m.decode_ms,
-                "memory": m.memory,
-                "raw": m.raw,
-                "spread": m.spread,
-                "wall_s": round(m.wall_s, 3),
-            }
-        )
+        runs.append(_run_row(s, m, layer=[x[0].__dict__, x[1].__dict__], k=k))
         log(
             f"    {name}: prefill {m.prefill_ms:.3f} ms, decode {m.decode_ms:.4f} ms/step, "
             f"memory {m.memory_bytes / 2**20:.2f} MiB"

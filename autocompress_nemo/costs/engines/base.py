@@ -81,6 +81,27 @@ class Measurement:
     """True when no engine ran (roofline): every number is "estimated, not measured"."""
     wall_s: float = 0.0
 
+    @classmethod
+    def from_samples(
+        cls,
+        raw: dict[str, list[float]],
+        percentile: float,
+        memory: dict[str, float],
+        extra: dict[str, list[float]],
+        wall_s: float,
+    ) -> Measurement:
+        """A timed run: ``prefill_ms`` / ``decode_ms`` the ``percentile``-th percentile of their
+        samples (NaN when the run was not timed, ``raw`` empty), the spread of every ``*_ms``
+        series, ``extra`` (e.g. memory read-outs) kept next to the raw samples."""
+        return cls(
+            prefill_ms=robust(raw["prefill_ms"], percentile) if raw else float("nan"),
+            decode_ms=robust(raw["decode_ms"], percentile) if raw else float("nan"),
+            memory=memory,
+            raw={**raw, **extra},
+            spread={k: spread(v) for k, v in raw.items() if k.endswith("_ms")},
+            wall_s=wall_s,
+        )
+
     @property
     def memory_bytes(self) -> float:
         return float(sum(self.memory.values()))

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from autocompress_nemo.arch.spec import ArchSpec
-from autocompress_nemo.costs.engines.base import CpuTimedEngine, Measurement, Workload, robust, spread
+from autocompress_nemo.costs.engines.base import CpuTimedEngine, Measurement, Workload
 
 _MIB = 1024.0 * 1024.0
 _LOG: list[str] = []
@@ -198,16 +198,8 @@ class LlamaCppEngine(CpuTimedEngine):
             raw = raws[i] if timing else {}
             mem = {k: mems[i].get(k, 0.0) for k in ("weights", "kv", "compute", "output")}
             extra = {f"memory_{k}": [mems[i][k]] for k in ("k", "v") if k in mems[i]}
-            out.append(
-                Measurement(
-                    prefill_ms=robust(raw["prefill_ms"], pct) if raw else float("nan"),
-                    decode_ms=robust(raw["decode_ms"], pct) if raw else float("nan"),
-                    memory=mem,
-                    raw={**raw, **extra},
-                    spread={k: spread(v) for k, v in raw.items()},
-                    wall_s=walls[i] + (time.time() - t0 - sum(walls)) / len(specs),
-                )
-            )
+            wall = walls[i] + (time.time() - t0 - sum(walls)) / len(specs)
+            out.append(Measurement.from_samples(raw, pct, mem, extra, wall))
         return out
 
     def _run(

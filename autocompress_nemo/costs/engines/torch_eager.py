@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
-from autocompress_nemo.costs.engines.base import CpuTimedEngine, Measurement, Workload, robust, spread
+from autocompress_nemo.costs.engines.base import CpuTimedEngine, Measurement, Workload
 
 LABEL = "PyTorch eager (transformers) on CPU — a measurement engine, not a production serving engine"
 _MAMBA_OPS = (
@@ -287,19 +287,9 @@ class TorchEagerEngine(CpuTimedEngine):
         out = []
         for i in range(len(specs)):
             raw = raws[i] if timing else {}
-            timed = {k: v for k, v in raw.items() if k.endswith("_ms")}
             mem = {k: mems[i].get(k, 0.0) for k in ("weights", "kv", "state", "compute", "output")}
             extra = {f"memory_{k}": [v] for k, v in mems[i].items() if k not in mem}
-            out.append(
-                Measurement(
-                    prefill_ms=robust(raw["prefill_ms"], pct) if raw else float("nan"),
-                    decode_ms=robust(raw["decode_ms"], pct) if raw else float("nan"),
-                    memory=mem,
-                    raw={**raw, **extra},
-                    spread={k: spread(v) for k, v in timed.items()},
-                    wall_s=walls[i],
-                )
-            )
+            out.append(Measurement.from_samples(raw, pct, mem, extra, walls[i]))
         return out
 
     def _groups(self, specs: list[ArchSpec]) -> list[list[int]]:
