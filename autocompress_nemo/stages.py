@@ -161,7 +161,6 @@ def search_core(
     ``describe(spec)`` a one-line shape for the log."""
     from autocompress_nemo.costs.predictor import Predictor
     from autocompress_nemo.extract.archjson import arch_record
-    from autocompress_nemo.extract.repair import grow, repair
     from autocompress_nemo.profile.stage import load_table
     from autocompress_nemo.search.autocompress import SearchOutcome, check_budget_reachable, run_router_search
     from autocompress_nemo.search.minitron import run_minitron_pp
@@ -178,6 +177,7 @@ def search_core(
         f"{sum(len(d.options) for d in decisions)} options"
     )
     verdict = check_budget_reachable(spec, decisions, costs, budget)
+    model: torch.nn.Module | None = None
     if verdict == "parent":
         ctx.say(f"[search:{method}] the parent already meets every budget: returning the parent")
         outcome = SearchOutcome(
@@ -219,22 +219,19 @@ def search_core(
                 log=ctx.say,
                 fresh_model=lambda: ctx.model(spec, sd),
             )
-    imps = option_importance(decisions)
-    final, r_steps = repair(spec, decisions, outcome.choices, costs.predict, budget, imps, log=ctx.say)
-    g_steps = 0
-    if method == "autocompress" and verdict != "parent":
-        final, g_steps = grow(spec, decisions, final, costs.predict, budget, imps, float(s.grow_threshold), log=ctx.say)
-    final, verified = verify_measured(
+    final, settler, verified = settle_choices(
         ctx,
         out,
+        method,
         spec,
         decisions,
-        final,
+        outcome,
         costs,
         budget,
-        imps,
-        float(s.grow_threshold) if method == "autocompress" else None,
+        lambda: option_importance(decisions),
+        model,
     )
+    r_steps, g_steps = settler.repair_steps, settler.grow_steps
     child = apply_choices(spec, decisions, final).replace(name=f"{spec.name}-{method}")
     pred = predictor.predict(child)
     rec = arch_record(
@@ -256,6 +253,14 @@ def search_core(
     rec.update(budget_reference=how, params=param_count(child), search_wall_s=round(outcome.wall_s, 2))
     if verified:
         rec["verified_in_engine"] = verified
+    if settler.guards:
+        rec["quality_guard"] = settler.guards[-1]
+        rec["quality_guards"] = settler.guards
+    rec["judge"] = {
+        "kind": settler.judge.label,
+        "calls": int(getattr(settler.judge, "calls", 0)),
+        "tokens": int(getattr(settler.judge, "tokens", 0)),
+    }
     if method == "minitron_pp" and hasattr(outcome, "record"):  # Minitron++'s depth axis (search/minitron.py)
         rec["minitron"] = outcome.record()
     write_json_atomic(out / "arch.json", rec)
@@ -309,6 +314,16 @@ def extract(ctx: Context, out: Path, rank_dir: Path, search_dir: Path) -> None:
     rec = read_json(search_dir / "arch.json")
     child = ArchSpec.from_dict(rec["child"])
     child_sd = slice_state_dict(spec, sd, child)
+    guard = rec.get("quality_guard")
+    if guard and guard.get("judge") == "kd" and child != spec:
+        guard["sliced_kd"] = sliced_kd(ctx, spec, sd, child, child_sd)
+        ref = float(guard["final_kd"])
+        ctx.say(f"[extract] KD of the sliced student {guard['sliced_kd']:.4f} (the search judged {ref:.4f})")
+        if abs(guard["sliced_kd"] - ref) > 0.02 * abs(ref) + 1e-3:
+            raise ValueError(
+                f"the sliced student's KD to the parent ({guard['sliced_kd']:.4f}) differs from the child the search "
+                f"judged ({ref:.4f}) on the same batches: slicing and the supernet disagree; not training it"
+            )
     save_weights(out, child, child_sd)
     write_json_atomic(out / "arch.json", rec)
     ctx.export_hf(child, child_sd, out / "hf")
@@ -317,6 +332,28 @@ def extract(ctx: Context, out: Path, rank_dir: Path, search_dir: Path) -> None:
         f"[extract] {shape}: {param_count(child):,} parameters "
         f"({param_count(child) / param_count(spec):.1%} of the parent)"
     )
+
+
+def sliced_kd(
+    ctx: Context, spec: ArchSpec, sd: dict[str, torch.Tensor], child: ArchSpec, child_sd: dict[str, torch.Tensor]
+) -> float:
+    """KD loss to the sorted parent of the sliced student on the search judge's calibration batches
+    (``settle_choices``): the number the quality guard judged, recomputed on the real child."""
+    from autocompress_nemo.distill.kd import kd_loss
+    from autocompress_nemo.distill.optim import Parallel
+    from autocompress_nemo.search.autocompress import _local_rows
+
+    s, par = ctx.cfg.search, Parallel.detect()
+    bs, seq = int(s.batch_size), int(s.judge_seq_len)
+    teacher, student = ctx.model(spec, sd), ctx.model(child, child_sd)
+    teacher.eval()
+    student.eval()
+    vals = []
+    with torch.no_grad():
+        for i in range(int(s.judge_batches)):
+            x = _local_rows(ctx.batch_at("calib", i, bs, seq, seed_offset=41), par)
+            vals.append(float(kd_loss(ctx.forward(student, x), ctx.forward(teacher, x), float(s.kd_temperature))))
+    return par.mean_over_dp(sum(vals) / len(vals))
 
 
 # -- distill -------------------------------------------------------------------------------------------
@@ -506,6 +543,59 @@ def measured_metrics(m: Any, wl: Any, spec: ArchSpec) -> dict[str, float]:
     }
 
 
+def settle_choices(
+    ctx: Context,
+    out: Path,
+    method: str,
+    spec: ArchSpec,
+    decisions: list,
+    outcome: Any,
+    costs: Any,
+    budget: dict[str, float],
+    importance: Any,
+    model: torch.nn.Module | None,
+) -> tuple[list[int], Any, list[dict[str, Any]]]:
+    """Repair / grow / quality guard of the search's choice, judged by ``search.judge`` (the KD
+    loss of the supernet child by default), then the engine check (``verify_measured``)."""
+    from autocompress_nemo.search.judge import ProxyJudge, make_judge
+    from autocompress_nemo.search.settle import Settler
+
+    s = ctx.cfg.search
+    if model is None:  # the parent already meets the budget: nothing to judge but the proxy
+        judge: Any = ProxyJudge(importance())
+    else:
+        bs, seq = int(s.batch_size), int(s.judge_seq_len)
+        judge = make_judge(
+            str(s.judge),
+            importance=importance,
+            model=lambda: model,
+            parent=spec,
+            decisions=decisions,
+            batches=lambda: [ctx.batch_at("calib", i, bs, seq, seed_offset=41) for i in range(int(s.judge_batches))],
+            forward=ctx.forward,
+            temperature=float(s.kd_temperature),
+        )
+    traj = [r for r in getattr(outcome, "trajectory", []) if "step" in r]
+    tail = traj[-max(1, len(traj) // 10) :] if method == "autocompress" and traj else []
+    settler = Settler(
+        spec,
+        decisions,
+        costs.predict,
+        judge,
+        grow_threshold=float(s.grow_threshold) if method == "autocompress" and model is not None else None,
+        guard_factor=float(s.guard_factor),
+        router_kd=(sum(float(r["kd"]) for r in tail) / len(tail)) if tail else None,
+        log=ctx.say,
+    )
+    try:
+        final = settler(list(outcome.choices), budget, guard=model is not None)
+        final, verified = verify_measured(ctx, out, spec, decisions, final, costs, budget, settler)
+    finally:
+        if hasattr(judge, "close"):
+            judge.close()
+    return final, settler, verified
+
+
 def verify_measured(
     ctx: Context,
     out: Path,
@@ -514,69 +604,47 @@ def verify_measured(
     choices: list[int],
     costs: Any,
     budget: dict[str, float],
-    imps: list[list[float]],
-    grow_threshold: float | None = None,
+    settle: Any,
+    engine: Any = None,
 ) -> tuple[list[int], list[dict[str, Any]]]:
-    """Close the loop on the real engine before any weights are sliced: measure the chosen
-    architecture in the target's engine; while it misses a budget ``b_m`` (measured ``c_m > b_m``),
-    tighten that metric's *predicted* target to ``min(t_m, 0.99 * b_m * p_m / c_m)`` (``p_m`` the
-    prediction: the table's error on this very model is taken out) and repair again — at most
-    ``search.verify_rounds`` times; with ``grow_threshold`` (AutoCompress) the repaired model is grown
-    back toward the corrected targets, as extraction grows it, and measured again. Measured engines only (an analytic one has nothing to add);
+    """The engine check before any weights are sliced (``search/settle.verify_measured``) in the
+    target's engine (or ``engine``): measured engines only (an analytic one has nothing to add);
     timing runs on rank 0 and its result is broadcast, so every rank makes the same choices."""
     from autocompress_nemo.costs.engines import get_engine
     from autocompress_nemo.costs.engines.base import Workload
-    from autocompress_nemo.extract.repair import grow, repair
     from autocompress_nemo.pipeline import is_rank0
-    from autocompress_nemo.search.space import apply_choices
+    from autocompress_nemo.search.settle import verify_measured as verify
 
-    rounds = int(ctx.cfg.search.get("verify_rounds", 0) or 0)
-    engine = get_engine(ctx.cfg.target, workdir=out / "verify_engine")
+    rounds = int(ctx.cfg.search.verify_rounds)
+    engine = engine if engine is not None else get_engine(ctx.cfg.target, workdir=out / "verify_engine")
     if rounds <= 0 or engine.estimated:
         return choices, []
     wl = Workload.from_config(ctx.cfg.target.workload)
-    target, history = dict(budget), []
+
+    def measure(child: ArchSpec) -> dict[str, float]:
+        meas = [measured_metrics(engine.measure_many([child], wl)[0], wl, child) if is_rank0() else None]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(meas, src=0)
+        return meas[0]  # type: ignore[return-value]
+
     try:
-        for r in range(rounds + 1):
-            child = apply_choices(parent, decisions, choices).replace(name=f"{parent.name}-candidate{r}")
-            meas = [measured_metrics(engine.measure_many([child], wl)[0], wl, child) if is_rank0() else None]
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                torch.distributed.broadcast_object_list(meas, src=0)
-            c, p = meas[0], costs.predict(child)
-            over = {m: c[m] for m, b in budget.items() if c[m] > b}
-            history.append(
-                {
-                    "round": r,
-                    "measured": {m: c[m] for m in budget},
-                    "predicted": {m: p[m] for m in budget},
-                    "predicted_target": dict(target),
-                    "budget": dict(budget),
-                    "pass": not over,
-                }
-            )
-            ctx.say(
-                f"[search:verify] round {r}: measured in {engine.name} "
-                + ", ".join(f"{m} {c[m]:.4g} (predicted {p[m]:.4g}) / budget {b:.4g}" for m, b in budget.items())
-                + (" PASS" if not over else " -> over budget")
-            )
-            if not over:
-                break
-            if r == rounds:
-                ctx.say(
-                    f"[search:verify] still over budget after {rounds} repair rounds on measurements: "
-                    "the evaluate stage will report it (raise search.verify_rounds or loosen the budget)"
-                )
-                break
-            for m in over:
-                target[m] = min(target[m], 0.99 * budget[m] * p[m] / c[m])
-            choices, _ = repair(parent, decisions, choices, costs.predict, target, imps, log=ctx.say)
-            if grow_threshold is not None:
-                choices, _ = grow(parent, decisions, choices, costs.predict, target, imps, grow_threshold, log=ctx.say)
+        return verify(
+            parent,
+            decisions,
+            choices,
+            costs.predict,
+            budget,
+            settle,
+            measure,
+            rounds,
+            grow_threshold=getattr(settle, "grow_threshold", None),
+            engine_name=str(engine.name),
+            log=ctx.say,
+        )
     finally:
         import shutil
 
         shutil.rmtree(out / "verify_engine", ignore_errors=True)
-    return choices, history
 
 
 def _numbers(d: dict[str, Any]) -> dict[str, float]:

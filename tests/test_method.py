@@ -13,6 +13,7 @@ from autocompress_nemo.models.builder import forward_logits
 from autocompress_nemo.rank.importance import collect_importance
 from autocompress_nemo.rank.reorder import apply_permutations, permutations_from_scores, sorted_importance
 from autocompress_nemo.search.autocompress import check_budget_reachable, run_router_search
+from autocompress_nemo.search.judge import KdJudge, ProxyJudge
 from autocompress_nemo.search.space import apply_choices, build_space
 from autocompress_nemo.search.supernet import Supernet
 from tests.method_utils import CAPS, ParamCost, megatron_from_hf, tiny_parent
@@ -117,21 +118,30 @@ def test_router_moves_to_budget_and_extraction_meets_it() -> None:
     assert first > 1.1 * budget["params"]  # started far above the budget
     assert abs(last / budget["params"] - 1) <= _Cfg.slack + 0.02, (first, last, budget)
     # extraction: snap + repair meets the budget by the exact predictor
-    imps = option_importance(decisions, sorted_importance(imp, perms))
-    fixed, _ = repair(spec, decisions, out.choices, cost.predict, budget, imps)
+    judge = KdJudge(model, spec, decisions, batches[:2], forward_logits)
+    fixed, _ = repair(spec, decisions, out.choices, cost.predict, budget, judge)
+    judge.close()
     assert cost.predict(apply_choices(spec, decisions, fixed))["params"] <= budget["params"]
 
 
-def test_repair_fixes_over_budget_snap() -> None:
-    spec, _, _, imp, perms, _ = _ranked()
+@pytest.mark.parametrize("kind", ["kd", "importance"])
+def test_repair_fixes_over_budget_snap(kind: str) -> None:
+    spec, _, _, imp, perms, sorted_sd = _ranked()
     decisions = build_space(spec, CAPS, ffn_options=4)
     cost = ParamCost()
     budget = {"params": 0.7 * param_count(spec)}
     parent_choices = [d.parent_option for d in decisions]
-    imps = option_importance(decisions, sorted_importance(imp, perms))
-    fixed, steps = repair(spec, decisions, parent_choices, cost.predict, budget, imps)
+    if kind == "kd":
+        judge = KdJudge(
+            megatron_from_hf(spec, sorted_sd), spec, decisions, _batches(spec.vocab, 2, seed=5), forward_logits
+        )
+    else:
+        judge = ProxyJudge(option_importance(decisions, sorted_importance(imp, perms)))
+    fixed, steps = repair(spec, decisions, parent_choices, cost.predict, budget, judge)
     assert steps > 0
     assert cost.predict(apply_choices(spec, decisions, fixed))["params"] <= budget["params"]
+    # lazy greedy: every move measured once, then a few re-measurements per step, not one per decision
+    assert judge.calls <= 1 + len(decisions) + 5 * steps
 
 
 def test_infeasible_budget_and_parent_meets() -> None:

@@ -1,5 +1,7 @@
 """Extraction closes the loop on the engine: a chosen architecture that the table calls feasible
-but the engine measures over budget is repaired again until the measurement meets the budget."""
+but the engine measures over budget is repaired again until the measurement meets the budget; a
+measurement with room left grows the child back toward the budget; a grown child that misses on
+the last round falls back to the last one that passed."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from omegaconf import OmegaConf
 from autocompress_nemo import stages
 from autocompress_nemo.arch.counts import param_count
 from autocompress_nemo.extract.repair import repair
+from autocompress_nemo.search.judge import ProxyJudge
+from autocompress_nemo.search.settle import Settler
 from autocompress_nemo.search.space import apply_choices, build_space
 from tests.method_utils import CAPS, tiny_parent
 
@@ -23,14 +27,22 @@ class TableCost:
         return {"decode_ms": param_count(spec) / 1e4}
 
 
-class SlowerEngine:
-    """The engine: 8% slower than the table says on every model (a table error)."""
+class ScriptedEngine:
+    """The engine: ``factors[i]`` times the table's figure on the i-th measurement (the last
+    factor repeats): a table error, or a machine that is busy for a while."""
 
-    name, estimated, measured = "fake", False, 0
+    name, estimated = "fake", False
+
+    def __init__(self, factors: list[float]):
+        self.factors, self.calls = factors, 0
 
     def measure_many(self, specs, wl):  # noqa: ANN001, ANN201
-        SlowerEngine.measured += len(specs)
-        return [SimpleNamespace(prefill_ms=1.0, decode_ms=1.08 * param_count(s) / 1e4, memory_bytes=0.0) for s in specs]
+        out = []
+        for s in specs:
+            f = self.factors[min(self.calls, len(self.factors) - 1)]
+            self.calls += 1
+            out.append(SimpleNamespace(prefill_ms=1.0, decode_ms=f * param_count(s) / 1e4, memory_bytes=0.0))
+        return out
 
 
 def _ctx(rounds: int) -> SimpleNamespace:
@@ -38,44 +50,71 @@ def _ctx(rounds: int) -> SimpleNamespace:
     return SimpleNamespace(cfg=cfg, say=print)
 
 
-def test_over_budget_measurement_is_repaired_until_it_passes(tmp_path, monkeypatch) -> None:
-    import autocompress_nemo.costs.engines as engines
-
-    monkeypatch.setattr(engines, "get_engine", lambda target, workdir=None: SlowerEngine())
+def _setup(grow: float | None = None):  # noqa: ANN202
     spec, _ = tiny_parent()
     decisions = build_space(spec, CAPS, ffn_options=4)
-    imps = [[float(k) for k in range(len(d.options))] for d in decisions]
+    judge = ProxyJudge([[float(k) for k in range(len(d.options))] for d in decisions])
     cost = TableCost()
+    settler = Settler(spec, decisions, cost.predict, judge, grow_threshold=grow, log=print)
+    return spec, decisions, cost, settler
+
+
+def test_over_budget_measurement_is_repaired_until_it_passes(tmp_path) -> None:
+    spec, decisions, cost, settler = _setup()
     budget = {"decode_ms": 0.7 * cost.predict(spec)["decode_ms"]}
-    start, _ = repair(spec, decisions, [d.parent_option for d in decisions], cost.predict, budget, imps)
+    start, _ = repair(spec, decisions, [d.parent_option for d in decisions], cost.predict, budget, settler.judge)
     child = apply_choices(spec, decisions, start)
     assert cost.predict(child)["decode_ms"] <= budget["decode_ms"] < 1.08 * cost.predict(child)["decode_ms"], (
         "the test needs a child the table calls feasible and the engine measures over budget"
     )
-    final, history = stages.verify_measured(_ctx(2), tmp_path, spec, decisions, start, cost, budget, imps)
+    engine = ScriptedEngine([1.08])
+    final, history = stages.verify_measured(
+        _ctx(2), tmp_path, spec, decisions, start, cost, budget, settler, engine=engine
+    )
     assert history[0]["pass"] is False and history[-1]["pass"] is True
     assert history[-1]["measured"]["decode_ms"] <= budget["decode_ms"]
     assert 1.08 * cost.predict(apply_choices(spec, decisions, final))["decode_ms"] <= budget["decode_ms"]
     assert history[1]["predicted_target"]["decode_ms"] < budget["decode_ms"]  # the table's error taken out
 
 
-def test_off_or_estimated_engine_changes_nothing(tmp_path, monkeypatch) -> None:
-    import autocompress_nemo.costs.engines as engines
+def test_slow_checks_then_room_grow_back_toward_the_budget(tmp_path) -> None:
+    """Two checks 30 % and 45 % slow (a busy minute), then exact ones: the child shrunk by the slow checks
+    is grown back once an exact check shows the room, and that grown child is measured too."""
+    spec, decisions, cost, settler = _setup(grow=0.05)
+    budget = {"decode_ms": 0.6 * cost.predict(spec)["decode_ms"]}
+    start = settler([d.parent_option for d in decisions], budget, guard=False)
+    quiet = cost.predict(apply_choices(spec, decisions, start))["decode_ms"]
+    engine = ScriptedEngine([1.3, 1.45, 1.0])
+    final, history = stages.verify_measured(_ctx(4), tmp_path, spec, decisions, start, cost, budget, settler, engine)
+    assert [h["pass"] for h in history[:3]] == [False, False, True]
+    assert "grown back" in history[2]["action"]
+    assert history[-1]["pass"]
+    got = cost.predict(apply_choices(spec, decisions, final))["decode_ms"]
+    assert got <= budget["decode_ms"] and got >= 0.9 * quiet, (got, quiet, history)
+    # without the grow-back the slow checks would have left the child far below the budget
+    assert history[2]["measured"]["decode_ms"] < 0.8 * budget["decode_ms"]
 
-    spec, _ = tiny_parent()
-    decisions = build_space(spec, CAPS, ffn_options=4)
+
+def test_grown_child_that_misses_on_the_last_round_falls_back(tmp_path) -> None:
+    spec, decisions, cost, settler = _setup(grow=0.05)
+    budget = {"decode_ms": 0.6 * cost.predict(spec)["decode_ms"]}
+    start = settler([d.parent_option for d in decisions], {"decode_ms": 0.4 * cost.predict(spec)["decode_ms"]})
+    # round 0 passes with room (grow), round 1 (the grown child) is measured 30 % slow, no round left
+    engine = ScriptedEngine([1.0, 1.3])
+    final, history = stages.verify_measured(_ctx(1), tmp_path, spec, decisions, start, cost, budget, settler, engine)
+    assert [h["pass"] for h in history] == [True, False]
+    assert final == start and history[-1]["action"] == "kept the last passing child"
+
+
+def test_off_or_estimated_engine_changes_nothing(tmp_path) -> None:
+    spec, decisions, cost, settler = _setup()
     choices = [d.parent_option for d in decisions]
-    monkeypatch.setattr(engines, "get_engine", lambda target, workdir=None: SlowerEngine())
-    SlowerEngine.measured = 0
-    assert stages.verify_measured(_ctx(0), tmp_path, spec, decisions, choices, TableCost(), {"decode_ms": 1.0}, []) == (
-        choices,
-        [],
-    )
-    estimated = SlowerEngine()
-    estimated.estimated = True
-    monkeypatch.setattr(engines, "get_engine", lambda target, workdir=None: estimated)
-    assert stages.verify_measured(_ctx(2), tmp_path, spec, decisions, choices, TableCost(), {"decode_ms": 1.0}, []) == (
-        choices,
-        [],
-    )
-    assert SlowerEngine.measured == 0
+    engine = ScriptedEngine([1.08])
+    assert stages.verify_measured(
+        _ctx(0), tmp_path, spec, decisions, choices, cost, {"decode_ms": 1.0}, settler, engine
+    ) == (choices, [])
+    engine.estimated = True
+    assert stages.verify_measured(
+        _ctx(2), tmp_path, spec, decisions, choices, cost, {"decode_ms": 1.0}, settler, engine
+    ) == (choices, [])
+    assert engine.calls == 0

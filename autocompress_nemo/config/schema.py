@@ -212,10 +212,22 @@ class SearchConfig:
     minitron_candidates: int = 4
     """Minitron++: feasible uniform candidates scored by distillation loss."""
     minitron_score_batches: int = 4
-    verify_rounds: int = 2
+    verify_rounds: int = 3
     """After repair / grow, measure the chosen architecture in the target's engine (measured
     engines only); while it misses a budget, tighten that metric's predicted target by the
-    measured / predicted ratio and repair again, at most this many times (0: trust the table)."""
+    measured / predicted ratio and repair again; when it passes with more than ``grow_threshold``
+    of a budget unused, calibrate the targets on that measurement and grow back; at most this many
+    times (0: trust the table)."""
+    judge: str = "kd"
+    """What repair, growth and the quality guard minimise per unit of predicted cost: ``kd`` (the
+    KD loss of the supernet child on fixed calibration batches) or ``importance`` (the activation
+    proxy: the share of the sorted parent's importance dropped)."""
+    judge_batches: int = 1
+    """Calibration batches (``batch_size`` x ``judge_seq_len`` tokens each) the KD judge scores on."""
+    judge_seq_len: int = 128
+    guard_factor: float = 1.5
+    """Quality guard: a settled child whose KD exceeds this many times the uniform child's at the
+    same targets is repaired differently (the uniform child grown to the targets)."""
     minitron_depth: bool = False
     """Minitron++ as the paper defines it keeps every layer (uniform widths only). True adds
     Minitron's depth pruning — the k least important removable blocks removed — an extension

@@ -303,8 +303,13 @@ def _check_search(c: dict, m: dict, t: dict) -> list[str]:
         "minitron_score_batches",
         "checkpoint_every",
         "kd_temperature",
+        "judge_batches",
+        "judge_seq_len",
+        "guard_factor",
     ):
         _pos(p, f"search.{key}", s.get(key))
+    if s.get("judge") not in ("kd", "importance"):
+        p.append(f"search.judge={s.get('judge')!r} is not a judge; use one of ['importance', 'kd']")
     if (
         isinstance(s.get("tau_start"), float | int)
         and isinstance(s.get("tau_end"), float | int)

@@ -1,20 +1,29 @@
-"""Greedy repair and growth of snapped choices against the exact predictor.
+"""Greedy repair and growth of snapped choices against the exact predictor, judged by a loss.
 
-- repair (over budget): repeatedly take the one-step shrink (option k -> k-1 of one
-  decision) that loses the least importance per unit of normalized cost saved on the
-  violated budgets, until every budget holds;
-- growth (far under budget): repeatedly take the one-step widening that gains the most
-  importance per unit of normalized cost added, as long as every budget still holds,
-  until no budget is left unused by more than ``grow_threshold``.
+- repair (over budget): repeatedly take the one-step shrink (option k -> k-1 of one decision)
+  that raises the judge's loss least per unit of normalized cost saved on the violated budgets,
+  until every budget holds;
+- growth (under budget): repeatedly take the one-step widening that lowers the loss most per
+  unit of normalized cost added, as long as every budget still holds, until no budget is left
+  unused by more than ``threshold``.
 
-Importance of an option = the summed sorted-parent scores of the units it keeps (heads or
-ffn neurons), so "loses least importance" is measured in the same activation units the
-rank stage produced.
+The judge (``search/judge.py``) is by default the KD loss of the supernet child on fixed
+calibration batches, i.e. the model's own loss, not an additive proxy: a cut whose damage
+compounds with earlier cuts is seen as such. A step is lazy-greedy: every move's loss change is
+remembered from when it was last measured; the move that ranks best is measured again at the
+current choices and taken once its fresh score still ranks best (at most ``reevaluate``
+re-measurements per step, then the best freshly measured move is taken). A judge call is one
+masked forward on the calibration batches, so a step costs a few forwards instead of one per
+decision.
+
+``option_importance`` gives the summed sorted-parent scores every option keeps (heads or ffn
+neurons), the activation proxy of ``ProxyJudge``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.rank.importance import Importance
@@ -52,45 +61,120 @@ def _norm_cost(costs: dict[str, float], budgets: dict[str, float], metrics: list
     return sum(costs[m] / budgets[m] for m in metrics)
 
 
+def _lazy_greedy(
+    parent: ArchSpec,
+    decisions: list[Decision],
+    choices: list[int],
+    predict: Predict,
+    judge: Any,
+    direction: int,
+    move_value: Callable[[dict[str, float], dict[str, float]], float | None],
+    gap: Callable[[dict[str, float]], float],
+    log: Callable[[str], None],
+    verb: str,
+    reevaluate: int = 4,
+    batch_fraction: float = 0.5,
+) -> tuple[list[int], int, dict[str, float] | None]:
+    """Take one-step moves of ``direction`` (-1 shrink, +1 widen) until ``gap(costs) <= 0``.
+
+    ``move_value(costs_now, costs_after)`` is the normalized cost a move buys (saved for a shrink,
+    added for a widening) or ``None`` when the move is not allowed; ``gap`` the normalized cost
+    still to buy. A move's score is the judge's loss change per unit of its value (lower is better).
+
+    Lazy greedy, in batches: every move's loss change is remembered from when it was last measured
+    (a decision that just moved keeps its last figure until measured again); each step measures
+    the unmeasured moves and re-measures the stale ones among the best-ranked (at most
+    ``max(reevaluate, n // 2)``), then takes the best ``n`` moves on distinct decisions at once,
+    ``n`` sized to ``batch_fraction`` of the gap (one move when the gap is small; halved while a
+    batch of widenings would break a budget). Returns (choices, moves taken, costs) with ``costs``
+    None when no allowed move was left before the gap closed."""
+    choices = list(choices)
+    costs = predict(apply_choices(parent, decisions, choices))
+    cur = judge.loss(choices)
+    dloss: dict[int, float] = {}  # decision -> loss change of its move, as last measured
+    moves = 0
+    while gap(costs) > 0:
+        cands: dict[int, tuple[list[int], dict[str, float], float]] = {}
+        for i, k in enumerate(choices):
+            if not 0 <= k + direction < len(decisions[i].options):
+                continue
+            trial = choices[:i] + [k + direction] + choices[i + 1 :]
+            c = predict(apply_choices(parent, decisions, trial))
+            v = move_value(costs, c)
+            if v is not None and v > 0:
+                cands[i] = (trial, c, v)
+        if not cands:
+            return choices, moves, None
+        fresh: set[int] = set()
+        for i in cands:
+            if i not in dloss:
+                dloss[i] = judge.loss(cands[i][0]) - cur
+                fresh.add(i)
+
+        def ranked(cands: dict[int, tuple[list[int], dict[str, float], float]] = cands) -> list[int]:
+            return sorted(cands, key=lambda j: dloss[j] / cands[j][2])
+
+        order = ranked()
+        typical = sorted(cands[i][2] for i in order[:10])[min(len(order), 10) // 2]
+        n = max(1, min(len(order), int(batch_fraction * gap(costs) / typical)))
+        budget_remeasure = max(reevaluate, n // 2)
+        while budget_remeasure > 0:
+            stale = [i for i in order[:n] if i not in fresh]
+            if not stale:
+                break
+            dloss[stale[0]] = judge.loss(cands[stale[0]][0]) - cur
+            fresh.add(stale[0])
+            budget_remeasure -= 1
+            order = ranked()
+        while True:
+            take = order[:n]
+            new = list(choices)
+            for i in take:
+                new[i] += direction
+            new_costs = predict(apply_choices(parent, decisions, new))
+            if n == 1 or move_value(costs, new_costs) is not None:
+                break
+            n = max(1, n // 2)
+        choices, costs = new, new_costs
+        cur = judge.loss(choices)
+        moves += len(take)
+        log(
+            f"{verb}: "
+            + ", ".join(
+                f"decision {i} (block {decisions[i].block_index}) -> {decisions[i].options[choices[i]]}" for i in take
+            )
+            + f" ({judge.label} {cur:.4f})"
+        )
+    return choices, moves, costs
+
+
 def repair(
     parent: ArchSpec,
     decisions: list[Decision],
     choices: list[int],
     predict: Predict,
     budgets: dict[str, float],
-    importance: list[list[float]],
+    judge: Any,
     log: Callable[[str], None] = lambda s: None,
 ) -> tuple[list[int], int]:
-    """Shrink until feasible. Returns (choices, steps taken). Raises if no shrink is left."""
-    choices = list(choices)
-    steps = 0
-    costs = predict(apply_choices(parent, decisions, choices))
-    while viol := violations(costs, budgets):
-        metrics = list(viol)
-        base = _norm_cost(costs, budgets, metrics)
-        best = None
-        for i, k in enumerate(choices):
-            if k == 0:
-                continue
-            trial = choices[:i] + [k - 1] + choices[i + 1 :]
-            c = predict(apply_choices(parent, decisions, trial))
-            saved = base - _norm_cost(c, budgets, metrics)
-            if saved <= 0:
-                continue
-            lost = importance[i][k] - importance[i][k - 1]
-            score = lost / saved
-            if best is None or score < best[0]:
-                best = (score, i, c)
-        if best is None:
-            raise ValueError(
-                "repair cannot meet the budget: every decision is at its smallest option; "
-                + ", ".join(f"{m} {costs[m]:.4g} > {budgets[m]:.4g}" for m in metrics)
-            )
-        _, i, costs = best
-        choices[i] -= 1
-        steps += 1
-        log(f"repair: decision {i} (block {decisions[i].block_index}) -> {decisions[i].options[choices[i]]}")
-    return choices, steps
+    """Shrink until feasible, the move that costs the judge's loss least per unit of cost saved
+    first. Returns (choices, steps taken). Raises if no shrink is left."""
+
+    def saved(now: dict[str, float], after: dict[str, float]) -> float | None:
+        metrics = list(violations(now, budgets))
+        return _norm_cost(now, budgets, metrics) - _norm_cost(after, budgets, metrics)
+
+    def deficit(c: dict[str, float]) -> float:
+        return sum(violations(c, budgets).values())
+
+    out, steps, costs = _lazy_greedy(parent, decisions, choices, predict, judge, -1, saved, deficit, log, "repair")
+    if costs is None:
+        now = predict(apply_choices(parent, decisions, out))
+        raise ValueError(
+            "repair cannot meet the budget: every decision is at its smallest option; "
+            + ", ".join(f"{m} {now[m]:.4g} > {budgets[m]:.4g}" for m in violations(now, budgets))
+        )
+    return out, steps
 
 
 def grow(
@@ -99,34 +183,24 @@ def grow(
     choices: list[int],
     predict: Predict,
     budgets: dict[str, float],
-    importance: list[list[float]],
+    judge: Any,
     threshold: float,
     log: Callable[[str], None] = lambda s: None,
 ) -> tuple[list[int], int]:
-    """Widen while feasible and some budget is unused by more than ``threshold``."""
-    choices = list(choices)
-    steps = 0
-    costs = predict(apply_choices(parent, decisions, choices))
+    """Widen while feasible and some budget is unused by more than ``threshold``, the move that
+    lowers the judge's loss most per unit of cost added first."""
     metrics = list(budgets)
-    while any(costs[m] < budgets[m] * (1 - threshold) for m in metrics):
-        base = _norm_cost(costs, budgets, metrics)
-        best = None
-        for i, k in enumerate(choices):
-            if k + 1 >= len(decisions[i].options):
-                continue
-            trial = choices[:i] + [k + 1] + choices[i + 1 :]
-            c = predict(apply_choices(parent, decisions, trial))
-            if violations(c, budgets):
-                continue
-            added = max(_norm_cost(c, budgets, metrics) - base, 1e-12)
-            gain = importance[i][k + 1] - importance[i][k]
-            score = gain / added
-            if best is None or score > best[0]:
-                best = (score, i, c)
-        if best is None:
-            break
-        _, i, costs = best
-        choices[i] += 1
-        steps += 1
-        log(f"grow: decision {i} (block {decisions[i].block_index}) -> {decisions[i].options[choices[i]]}")
-    return choices, steps
+
+    def added(now: dict[str, float], after: dict[str, float]) -> float | None:
+        if violations(after, budgets):
+            return None
+        return max(_norm_cost(after, budgets, metrics) - _norm_cost(now, budgets, metrics), 1e-12)
+
+    def room(c: dict[str, float]) -> float:
+        # growing raises every metric: the tightest budget bounds the batch; done when none has room
+        if not any(c[m] < budgets[m] * (1 - threshold) for m in metrics):
+            return 0.0
+        return max(min(1.0 - c[m] / budgets[m] for m in metrics), 1e-9)
+
+    out, steps, _ = _lazy_greedy(parent, decisions, choices, predict, judge, +1, added, room, log, "grow")
+    return out, steps

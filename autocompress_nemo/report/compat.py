@@ -70,6 +70,8 @@ def _model(entry: dict[str, Any], method: dict[str, Any], validation: dict[str, 
     arch = method.get("arch") or {}
     if arch.get("verified_in_engine"):  # search_core.verify_measured: the architecture measured before slicing
         e.setdefault("engine_check_before_slicing", arch["verified_in_engine"])
+    if arch.get("quality_guard"):  # search/settle.Settler.guard: the settled child's KD next to the alternatives
+        e.setdefault("quality_guard", arch["quality_guard"])
     if (arch.get("minitron") or {}).get("variant"):
         e.setdefault("selection_variant", arch["minitron"]["variant"])
     return e

@@ -297,6 +297,55 @@ def _before_recovery(res: dict[str, Any]) -> list[str]:
     return [table(["student (extracted, no recovery)", "perplexity (held-out)", "KD loss to parent", "tokens"], rows)]
 
 
+def _guard(res: dict[str, Any]) -> list[str]:
+    """The quality guard before slicing (``search/settle.py``): the chosen child's loss next to
+    the router's final expected loss and the uniform child's at the same predicted targets, and
+    the pre-recovery / final held-out perplexity of the same student."""
+    br = res.get("before_recovery") or {}
+    rows = []
+    for key, e in res["models"].items():
+        g = e.get("quality_guard")
+        if not g:
+            continue
+        pre = (br.get(key) or {}).get("heldout_ppl")
+        rows.append(
+            [
+                e["label"],
+                g.get("judge", ""),
+                fmt(g.get("router_expected_kd")),
+                fmt(g.get("uniform_kd")),
+                fmt(g.get("child_kd")),
+                fmt(g.get("final_kd")),
+                g.get("verdict", ""),
+                fmt(pre),
+                fmt((e.get("accuracy") or {}).get("perplexity")),
+            ]
+        )
+    if not rows:
+        return ["No quality guard recorded (the parent met the budget, or an older run)."]
+    return [
+        table(
+            [
+                "model",
+                "judge",
+                "router expected KD",
+                "uniform child KD",
+                "chosen child KD",
+                "final child KD",
+                "guard",
+                "perplexity before recovery",
+                "perplexity after recovery",
+            ],
+            rows,
+        ),
+        "",
+        "KD losses to the parent on the search's calibration batches (PyTorch, this machine); the router's "
+        "figure is the mean over its last steps on its training batches. A chosen child over "
+        "`search.guard_factor` times the uniform child's KD is replaced by the uniform child grown to the same "
+        "targets. Perplexities: held-out text, PyTorch.",
+    ]
+
+
 def _widths(res: dict[str, Any]) -> list[str]:
     specs: dict[str, ArchSpec] = {e["label"]: s for e in res["models"].values() if (s := spec_of(e)) is not None}
     if not specs:
@@ -409,6 +458,7 @@ def render_markdown(res: dict[str, Any]) -> str:
         ("Before recovery distillation", _before_recovery(res)),
         ("Per-block widths", _widths(res)),
         ("Architecture checks before slicing", _selection(res)),
+        ("Quality guard before slicing", _guard(res)),
         ("Cost-model validation", _validation(res)),
         ("Tokens and wall time", _tokens_wall(res)),
     ]

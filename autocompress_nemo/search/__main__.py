@@ -1,6 +1,6 @@
 """``python -m autocompress_nemo.search``: the whole pipeline, each stage one call.
 
-    profile -> validate -> rank -> search -> extract -> distill -> evaluate -> export -> report
+    profile -> validate -> rank -> search -> extract -> distill -> export -> evaluate -> report
 
 With no arguments it runs the embedded default (SmolLM2-135M-Instruct, the ``cpu_chat``
 llama.cpp target, the standard-library corpus). ``baseline=true`` adds the Minitron++
@@ -95,17 +95,19 @@ def run_pipeline(cfg: DictConfig) -> dict[str, Any]:
                 [ranked, student],
             )
         students[m] = student
+    exports: dict[str, Path] = {}
+    if "export" in wanted:  # before evaluate: the accuracy of the exported file is measured there
+        for m, s in students.items():
+            exports[m] = run.stage(f"export_{m}", lambda d, s=s: stages.export(ctx, d, s), ("target.engine",), [s])
     if "evaluate" in wanted and students:
         ev = run.stage(
             "evaluate",
-            lambda d: stages.evaluate(ctx, d, ranked, table, vdir, students, extracted),
+            lambda d: stages.evaluate(ctx, d, ranked, table, vdir, students, extracted, exports),
             ("target", "evaluate"),
-            [ranked, prof, *students.values(), *extracted.values()] + ([validation] if validation else []),
+            [ranked, prof, *students.values(), *extracted.values(), *exports.values()]
+            + ([validation] if validation else []),
         )
         out["evaluation"] = str(ev / "evaluation.json")
-    if "export" in wanted:
-        for m, s in students.items():
-            run.stage(f"export_{m}", lambda d, s=s: stages.export(ctx, d, s), ("target.engine",), [s])
     if "report" in wanted or "evaluate" in wanted:
         out["report"] = str(stages.report(ctx, run, methods, vdir))
     return out

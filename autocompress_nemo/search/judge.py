@@ -1,0 +1,130 @@
+"""Judges of a child architecture: how much of the parent's behaviour a set of choices loses.
+
+Repair, growth and the quality guard (``extract/repair.py``, ``search/guard.py``) compare
+candidate moves by what they cost the model, per unit of predicted cost. Two judges:
+
+- ``KdJudge`` (the default): the KD loss to the parent of the child that the supernet serves with
+  one-hot masks (exactly the extracted child's forward, tests/test_method.py), on a few fixed
+  calibration batches. The teacher's logits are computed once; every child costs one masked
+  forward, and children already judged are remembered.
+- ``ProxyJudge``: the share of the sorted parent's activation importance that the choices drop
+  (the rank stage's scores summed over the units each option keeps). It is additive over blocks,
+  so it cannot see that many cuts in a row of early layers compound: on SmolLM2 it put every cut of
+  a tightened budget on the early layers' MLPs (issue 11). Kept as ``search.judge=importance`` to
+  compare with (``bench/bench_repair_order.py``), not as the default.
+
+Parallel runs: every rank holds its rows of the batches (``autocompress._local_rows``) and the
+loss is averaged over data-parallel ranks, so every rank gets the same number and makes the same
+choices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.search.space import Decision
+
+
+class Judge(Protocol):
+    label: str
+
+    def loss(self, choices: list[int]) -> float: ...
+
+
+class ProxyJudge:
+    """Share of the summed importance dropped by ``choices`` (0: the parent, 1: everything)."""
+
+    label = "importance"
+
+    def __init__(self, importance: list[list[float]]):
+        self.importance = importance
+        self.total = max(sum(row[-1] for row in importance), 1e-12)
+        self.calls = 0
+
+    def loss(self, choices: list[int]) -> float:
+        self.calls += 1
+        return sum(row[-1] - row[k] for row, k in zip(self.importance, choices, strict=True)) / self.total
+
+
+class KdJudge:
+    """KD loss (temperature ``temperature``) of one-hot supernet children against the parent on
+    fixed batches. ``close()`` removes the mask hooks from ``model``."""
+
+    label = "kd"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        parent: ArchSpec,
+        decisions: list[Decision],
+        batches: list[torch.Tensor],
+        forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+        temperature: float = 1.0,
+    ):
+        from autocompress_nemo.distill.optim import Parallel
+        from autocompress_nemo.search.autocompress import _local_rows
+        from autocompress_nemo.search.supernet import Supernet
+
+        if not batches:
+            raise ValueError("KdJudge needs at least one calibration batch (search.judge_batches >= 1)")
+        self.model, self.forward, self.temperature = model, forward, float(temperature)
+        self.decisions = decisions
+        self.par = Parallel.detect()
+        self.rows = [_local_rows(b, self.par) for b in batches]
+        self.tokens = sum(int(b.numel()) for b in batches)
+        self.supernet = Supernet(model, parent, decisions)
+        self.supernet.enabled = False
+        with torch.no_grad():
+            self.teacher = [forward(model, x) for x in self.rows]
+        self.supernet.enabled = True
+        self._memo: dict[tuple[int, ...], float] = {}
+        self.calls = 0
+
+    def loss(self, choices: list[int]) -> float:
+        from autocompress_nemo.distill.kd import kd_loss
+
+        key = tuple(int(k) for k in choices)
+        if key in self._memo:
+            return self._memo[key]
+        self.calls += 1
+        self.supernet.set_choices(list(key))
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            vals = [
+                float(kd_loss(self.forward(self.model, x), t, self.temperature))
+                for x, t in zip(self.rows, self.teacher, strict=True)
+            ]
+        self.model.train(was_training)
+        out = self.par.mean_over_dp(sum(vals) / len(vals))
+        self._memo[key] = out
+        return out
+
+    def close(self) -> None:
+        self.supernet.remove()
+        self.teacher = []
+
+
+def make_judge(
+    kind: str,
+    *,
+    importance: Callable[[], list[list[float]]],
+    model: Callable[[], torch.nn.Module] | None,
+    parent: ArchSpec,
+    decisions: list[Decision],
+    batches: Callable[[], list[torch.Tensor]],
+    forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+    temperature: float = 1.0,
+) -> Any:
+    """``search.judge``: ``kd`` (the model's own loss) or ``importance`` (the activation proxy)."""
+    if kind == "importance":
+        return ProxyJudge(importance())
+    if kind == "kd":
+        if model is None:
+            raise ValueError("search.judge=kd needs the sorted parent's model")
+        return KdJudge(model(), parent, decisions, batches(), forward, temperature)
+    raise ValueError(f"search.judge={kind!r} is not a judge; use one of ['importance', 'kd']")

@@ -1,0 +1,201 @@
+"""From the router's (or Minitron++'s) choice to the architecture that is sliced.
+
+``settle`` = repair (over budget) -> grow (under budget, AutoCompress) -> quality guard, all judged
+by the model's own loss (``search/judge.py``); ``verify_measured`` closes the loop on the target's
+engine: it measures the settled child, tightens a missed metric's predicted target and settles
+again, and when a measurement passes with room it calibrates the targets on that measurement and
+grows back toward the budget, so the student spends its budget.
+
+The quality guard compares the settled child's loss with two alternatives on the same batches:
+
+- the uniform child (Minitron-style: one shape per block kind, no block removed) of the largest
+  predicted cost within the same targets;
+- the router's final expected loss (the mean KD of its last steps, on its training batches; only
+  informative: the engine check may have tightened the targets since).
+
+A child whose loss exceeds ``guard_factor`` times the uniform child's is repaired differently:
+the uniform child grown to the same targets by the same loss-per-cost rule replaces it when that
+loses less. The three numbers and the verdict go into ``arch.json`` and the report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.extract.repair import _norm_cost, grow, repair, violations
+from autocompress_nemo.search.space import Decision, apply_choices, uniform_candidates
+
+Predict = Callable[[ArchSpec], dict[str, float]]
+
+
+@dataclass
+class Settler:
+    """Repair / grow / guard with one judge, one predictor and one set of decisions."""
+
+    parent: ArchSpec
+    decisions: list[Decision]
+    predict: Predict
+    judge: Any
+    grow_threshold: float | None = None
+    """AutoCompress grows toward the budget; ``None`` (Minitron++) only repairs."""
+    guard_factor: float = 1.5
+    router_kd: float | None = None
+    use_guard: bool = True
+    log: Callable[[str], None] = print
+    repair_steps: int = 0
+    grow_steps: int = 0
+    guards: list[dict[str, Any]] = field(default_factory=list)
+
+    def __call__(self, choices: list[int], target: dict[str, float], guard: bool = True) -> list[int]:
+        choices, r = repair(self.parent, self.decisions, choices, self.predict, target, self.judge, log=self.log)
+        self.repair_steps += r
+        if self.grow_threshold is not None:
+            choices, g = grow(
+                self.parent, self.decisions, choices, self.predict, target, self.judge, self.grow_threshold, self.log
+            )
+            self.grow_steps += g
+        if guard and self.use_guard:
+            choices = self.guard(choices, target)
+        return choices
+
+    def uniform_child(self, target: dict[str, float]) -> list[int] | None:
+        """The uniform child of the largest normalized predicted cost that meets ``target``."""
+        best: tuple[float, list[int]] | None = None
+        for cand in uniform_candidates(self.parent, self.decisions):
+            c = self.predict(apply_choices(self.parent, self.decisions, cand))
+            if violations(c, target):
+                continue
+            v = _norm_cost(c, target, list(target))
+            if best is None or v > best[0]:
+                best = (v, cand)
+        return None if best is None else best[1]
+
+    def guard(self, choices: list[int], target: dict[str, float]) -> list[int]:
+        kd = self.judge.loss(choices)
+        uni = self.uniform_child(target)
+        uni_kd = None if uni is None else self.judge.loss(uni)
+        rec: dict[str, Any] = {
+            "judge": self.judge.label,
+            "child_kd": kd,
+            "uniform_kd": uni_kd,
+            "uniform_choices": uni,
+            "router_expected_kd": self.router_kd,
+            "factor": self.guard_factor,
+            "target": dict(target),
+            "verdict": "kept",
+        }
+        if uni is not None and uni_kd is not None and kd > self.guard_factor * uni_kd:
+            self.log(
+                f"[search:guard] the child's {self.judge.label} {kd:.4f} is over {self.guard_factor}x the uniform "
+                f"child's {uni_kd:.4f} at the same targets: growing the uniform child instead"
+            )
+            alt = uni
+            if self.grow_threshold is not None:
+                alt, g = grow(
+                    self.parent, self.decisions, uni, self.predict, target, self.judge, self.grow_threshold, self.log
+                )
+                self.grow_steps += g
+            alt_kd = self.judge.loss(alt)
+            rec["alternative_kd"] = alt_kd
+            if alt_kd < kd:
+                choices, kd = alt, alt_kd
+                rec["verdict"] = "replaced by the uniform child grown to the targets"
+            else:
+                rec["verdict"] = "kept (the grown uniform child was no better)"
+        rec["final_kd"] = kd
+        if self.router_kd is not None and kd > self.guard_factor * self.router_kd:
+            rec["note"] = (
+                f"final {self.judge.label} {kd:.4f} is over {self.guard_factor}x the router's expected {self.router_kd:.4f} "
+                "(the targets may have been tightened by the engine check)"
+            )
+        self.log(
+            f"[search:guard] {self.judge.label}: child {kd:.4f}, uniform child "
+            + ("n/a" if uni_kd is None else f"{uni_kd:.4f}")
+            + ", router expected "
+            + ("n/a" if self.router_kd is None else f"{self.router_kd:.4f}")
+            + f" -> {rec['verdict']}"
+        )
+        self.guards.append(rec)
+        return choices
+
+
+def verify_measured(
+    parent: ArchSpec,
+    decisions: list[Decision],
+    choices: list[int],
+    predict: Predict,
+    budget: dict[str, float],
+    settle: Callable[[list[int], dict[str, float]], list[int]],
+    measure: Callable[[ArchSpec], dict[str, float]],
+    rounds: int,
+    grow_threshold: float | None = None,
+    engine_name: str = "engine",
+    log: Callable[[str], None] = print,
+) -> tuple[list[int], list[dict[str, Any]]]:
+    """Measure the settled child in the engine (``measure(spec)`` -> metrics in the budget's units)
+    at most ``rounds + 1`` times:
+
+    - a miss (measured ``c_m > b_m``) tightens that metric's predicted target to
+      ``min(t_m, 0.99 * b_m * p_m / c_m)`` (``p_m`` the prediction: the table's error on this very
+      model taken out) and settles again;
+    - a pass that leaves more than ``grow_threshold`` of a budget unused (AutoCompress) calibrates
+      every target on this measurement, ``t_m = max(p_m, 0.99 * b_m * p_m / c_m)``, settles (grows)
+      again and measures the grown child;
+    - the last passing child is returned when a later one misses and no round is left.
+    """
+    target, history = dict(budget), []
+    last_pass: list[int] | None = None
+    for r in range(rounds + 1):
+        child = apply_choices(parent, decisions, choices).replace(name=f"{parent.name}-candidate{r}")
+        c, p = measure(child), predict(child)
+        over = {m: c[m] for m, b in budget.items() if c[m] > b}
+        room = (
+            grow_threshold is not None and not over and any(c[m] < b * (1 - grow_threshold) for m, b in budget.items())
+        )
+        row: dict[str, Any] = {
+            "round": r,
+            "measured": {m: c[m] for m in budget},
+            "predicted": {m: p[m] for m in budget},
+            "predicted_target": dict(target),
+            "budget": dict(budget),
+            "pass": not over,
+        }
+        history.append(row)
+        log(
+            f"[search:verify] round {r}: measured in {engine_name} "
+            + ", ".join(f"{m} {c[m]:.4g} (predicted {p[m]:.4g}) / budget {b:.4g}" for m, b in budget.items())
+            + (" -> over budget" if over else " PASS, room left: growing back" if room else " PASS")
+        )
+        if not over:
+            last_pass = list(choices)
+            if not room:
+                break
+        if r == rounds:
+            if over and last_pass is not None:
+                log(f"[search:verify] round {r} missed the budget: keeping the last child that passed")
+                choices = last_pass
+                row["action"] = "kept the last passing child"
+            elif over:
+                log(
+                    f"[search:verify] still over budget after {rounds} rounds on measurements: "
+                    "the evaluate stage will report it (raise search.verify_rounds or loosen the budget)"
+                )
+            break
+        if over:
+            for m in over:
+                target[m] = min(target[m], 0.99 * budget[m] * p[m] / c[m])
+            row["action"] = "tightened " + ", ".join(over)
+        else:
+            for m, b in budget.items():
+                target[m] = max(p[m], 0.99 * b * p[m] / c[m]) if c[m] > 0 else target[m]
+            row["action"] = "calibrated targets on this measurement, grown back"
+        new = settle(choices, target)
+        if new == choices:
+            row["action"] = row.get("action", "") + " (no change)"
+            if not over:
+                break
+        choices = new
+    return choices, history
