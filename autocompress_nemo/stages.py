@@ -454,9 +454,12 @@ def evaluate(
     validation_dir: Path | None,
     students: dict[str, Path],
     extracted: dict[str, Path] | None = None,
+    exports: dict[str, Path] | None = None,
 ) -> None:
     """Accuracy on held-out text and costs measured in the target's engine, against the budgets,
-    next to the predictions — for the parent and every student, measured in one interleaved session."""
+    next to the predictions — for the parent and every student, measured in one interleaved session.
+    A student exported as a GGUF file also gets its held-out perplexity measured on that file in
+    llama.cpp, next to the PyTorch figure."""
     from autocompress_nemo.costs.engines import get_engine
     from autocompress_nemo.costs.engines.base import Workload
     from autocompress_nemo.costs.predictor import Predictor
@@ -492,6 +495,22 @@ def evaluate(
 
     if not is_rank0():  # engine timings run once (rank 0): concurrent copies would disturb each other
         return
+    for name, d in (exports or {}).items():
+        files = sorted(d.glob("*.gguf"))
+        if not files or name not in results["models"]:
+            continue
+        from autocompress_nemo.export.parity import gguf_heldout
+
+        ev = ctx.cfg.evaluate
+        ctx.say(f"[evaluate] {name}: held-out perplexity of the exported {files[0].name} in llama.cpp")
+        on_file = gguf_heldout(files[0], ctx.heldout_batches(2, int(ev.seq_len), int(ev.heldout_batches)))
+        torch_ppl = results["models"][name]["accuracy"]["heldout_ppl"]
+        on_file.update(
+            file=files[0].name,
+            measured_by=f"llama.cpp (llama-cpp-python {_llama_cpp_version()}) on this CPU, F32 KV cache",
+            rel_diff_vs_pytorch=on_file["heldout_ppl"] / torch_ppl - 1.0,
+        )
+        results["models"][name]["accuracy_exported"] = on_file
     engine = get_engine(cfg.target, workdir=out / "engine_work")
     wl = Workload.from_config(cfg.target.workload)
     specs = [models[n][0].replace(name=n) for n in models]
@@ -519,13 +538,22 @@ def evaluate(
     for n, r in results["before_recovery"].items():
         ctx.say(f"[evaluate] {n} before recovery: ppl {r['heldout_ppl']:.3f} KD to parent {r['kd_to_parent']:.4f}")
     for n, r in results["models"].items():
+        on_file = r.get("accuracy_exported")
         ctx.say(
-            f"[evaluate] {n}: ppl {r['accuracy']['heldout_ppl']:.3f} params {r['params']:,} "
+            f"[evaluate] {n}: ppl {r['accuracy']['heldout_ppl']:.3f}"
+            + (f" (exported file in llama.cpp: {on_file['heldout_ppl']:.3f})" if on_file else "")
+            + f" params {r['params']:,} "
             + " ".join(
                 f"{k} {c['measured']:.4g}/{c['budget']:.4g} {'PASS' if c['pass'] else 'FAIL'}"
                 for k, c in r["budget_check"].items()
             )
         )
+
+
+def _llama_cpp_version() -> str:
+    from importlib.metadata import version
+
+    return version("llama-cpp-python")
 
 
 def measured_metrics(m: Any, wl: Any, spec: ArchSpec) -> dict[str, float]:
@@ -664,14 +692,31 @@ def export(ctx: Context, out: Path, student_dir: Path) -> None:
         return stages_hybrid.export(ctx, out, student_dir)
     export_hf(spec, sd, out / "hf", tokenizer=None)
     if str(ctx.cfg.target.engine.name) == "llama_cpp":
+        from autocompress_nemo.export.parity import check_export
+
+        dtype = str(ctx.cfg.target.engine.dtype)
         path = write_gguf(
             spec,
             out / f"{spec.name or 'student'}.gguf",
             {k: v.float().numpy().astype(np.float32) for k, v in sd.items()},
             tokenizer_from=ctx.parent_gguf(),
-            dtype=str(ctx.cfg.target.engine.dtype),
+            dtype=dtype,
         )
         ctx.say(f"[export] GGUF ({'llama' if spec.is_uniform() else 'deci'}) -> {path}")
+        # the gate: the file's logits against the project's student on a fixed held-out sequence
+        tokens = ctx.heldout_batches(1, int(ctx.cfg.evaluate.parity_tokens), 1)[0][0].tolist()
+
+        def reference(spec_k: ArchSpec, sd_k: dict[str, Any], ids: torch.Tensor) -> torch.Tensor:
+            m = ctx.model(spec_k, {k: torch.as_tensor(v) for k, v in sd_k.items()})
+            m.eval()
+            return ctx.forward(m, ids)[0]
+
+        parity = check_export(spec, sd, path, reference, tokens, dtype)
+        write_json_atomic(out / "parity.json", {**parity, "file": path.name})
+        ctx.say(
+            f"[export] parity with the PyTorch student on {parity['tokens']} held-out tokens: max |dlogit| "
+            f"{parity['max_abs_dlogit']:.4g} <= {parity['tolerance']} ({dtype}) PASS"
+        )
     model = ctx.model(spec, sd)
     torch.save({"arch_spec": spec.to_dict(), "megatron_state_dict": model.state_dict()}, out / "megatron_model.pt")
 

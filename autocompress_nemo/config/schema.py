@@ -356,6 +356,9 @@ class EvaluateConfig:
     """Items of the generated ``stdlib_next_line`` task."""
     lm_eval_limit: int = 0
     """Cap on items per task (0 = all)."""
+    parity_tokens: int = 64
+    """Export gate: held-out tokens on which the exported file's logits are compared with the
+    project's student (``export/parity.py``; per-dtype tolerance, fails naming the first divergent layer)."""
 
 
 @dataclass
