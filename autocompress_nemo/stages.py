@@ -353,7 +353,9 @@ def sliced_kd(
         for i in range(int(s.judge_batches)):
             x = _local_rows(ctx.batch_at("calib", i, bs, seq, seed_offset=41), par)
             vals.append(float(kd_loss(ctx.forward(student, x), ctx.forward(teacher, x), float(s.kd_temperature))))
-    return par.mean_over_dp(sum(vals) / len(vals))
+    from autocompress_nemo.search.judge import world_mean
+
+    return world_mean(sum(vals) / len(vals))
 
 
 # -- distill -------------------------------------------------------------------------------------------
@@ -613,6 +615,7 @@ def settle_choices(
         grow_threshold=float(s.grow_threshold) if method == "autocompress" and model is not None else None,
         guard_factor=float(s.guard_factor),
         router_kd=(sum(float(r["kd"]) for r in tail) / len(tail)) if tail else None,
+        origin=list(outcome.choices) if tail else None,
         log=ctx.say,
     )
     try:

@@ -164,6 +164,7 @@ def settle_and_verify(
         judge, rounds = ProxyJudge(s.importance), 2
     settler = s.settler(grow=grow, judge=judge, router_kd=sum(r["kd"] for r in traj[-2:]) / 2)
     settler.use_guard = not old_rule
+    settler.origin = list(outcome.choices)
     calls = [0]
 
     def measure(child: ArchSpec) -> dict[str, float]:

@@ -73,7 +73,7 @@ def _lazy_greedy(
     log: Callable[[str], None],
     verb: str,
     reevaluate: int = 4,
-    batch_fraction: float = 0.5,
+    batch_fraction: float = 0.2,
 ) -> tuple[list[int], int, dict[str, float] | None]:
     """Take one-step moves of ``direction`` (-1 shrink, +1 widen) until ``gap(costs) <= 0``.
 
@@ -156,6 +156,7 @@ def repair(
     budgets: dict[str, float],
     judge: Any,
     log: Callable[[str], None] = lambda s: None,
+    batch_fraction: float = 0.2,
 ) -> tuple[list[int], int]:
     """Shrink until feasible, the move that costs the judge's loss least per unit of cost saved
     first. Returns (choices, steps taken). Raises if no shrink is left."""
@@ -167,7 +168,9 @@ def repair(
     def deficit(c: dict[str, float]) -> float:
         return sum(violations(c, budgets).values())
 
-    out, steps, costs = _lazy_greedy(parent, decisions, choices, predict, judge, -1, saved, deficit, log, "repair")
+    out, steps, costs = _lazy_greedy(
+        parent, decisions, choices, predict, judge, -1, saved, deficit, log, "repair", batch_fraction=batch_fraction
+    )
     if costs is None:
         now = predict(apply_choices(parent, decisions, out))
         raise ValueError(
@@ -186,6 +189,7 @@ def grow(
     judge: Any,
     threshold: float,
     log: Callable[[str], None] = lambda s: None,
+    batch_fraction: float = 0.2,
 ) -> tuple[list[int], int]:
     """Widen while feasible and some budget is unused by more than ``threshold``, the move that
     lowers the judge's loss most per unit of cost added first."""
@@ -202,5 +206,7 @@ def grow(
             return 0.0
         return max(min(1.0 - c[m] / budgets[m] for m in metrics), 1e-9)
 
-    out, steps, _ = _lazy_greedy(parent, decisions, choices, predict, judge, +1, added, room, log, "grow")
+    out, steps, _ = _lazy_greedy(
+        parent, decisions, choices, predict, judge, +1, added, room, log, "grow", batch_fraction=batch_fraction
+    )
     return out, steps

@@ -14,8 +14,8 @@ candidate moves by what they cost the model, per unit of predicted cost. Two jud
   compare with (``bench/bench_repair_order.py``), not as the default.
 
 Parallel runs: every rank holds its rows of the batches (``autocompress._local_rows``) and the
-loss is averaged over data-parallel ranks, so every rank gets the same number and makes the same
-choices.
+loss is averaged over all ranks (``world_mean``), so every rank gets the same number and makes the
+same choices.
 """
 
 from __future__ import annotations
@@ -100,13 +100,25 @@ class KdJudge:
                 for x, t in zip(self.rows, self.teacher, strict=True)
             ]
         self.model.train(was_training)
-        out = self.par.mean_over_dp(sum(vals) / len(vals))
+        out = world_mean(sum(vals) / len(vals))
         self._memo[key] = out
         return out
 
     def close(self) -> None:
         self.supernet.remove()
         self.teacher = []
+
+
+def world_mean(value: float) -> float:
+    """The mean of ``value`` over every rank: bit-identical on all of them, so every rank takes the
+    same greedy decisions (a TP rank's float rounding must not split the ranks' choices)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t[0]) / dist.get_world_size()
 
 
 def make_judge(
