@@ -414,9 +414,28 @@ def heldout_perplexity(
     return out
 
 
-def lm_eval_scores(ctx: Context, model: torch.nn.Module) -> dict[str, Any]:
+class GgufModel(torch.nn.Module):
+    """An exported GGUF file as a model for the lm-eval adapter: ``gguf_forward`` computes its
+    logits in llama.cpp (a child process per batch, ``export/parity.gguf_logits``)."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+
+
+def gguf_forward(model: torch.nn.Module, ids_BT: torch.Tensor) -> torch.Tensor:
+    import numpy as np
+
+    from autocompress_nemo.export.parity import gguf_logits
+
+    assert isinstance(model, GgufModel)
+    rows = gguf_logits(model.path, ids_BT.tolist())
+    return torch.from_numpy(np.stack(rows))  # type: ignore[arg-type]
+
+
+def lm_eval_scores(ctx: Context, model: torch.nn.Module, forward: Any = None) -> dict[str, Any]:
     """The configured lm-eval tasks through the harness adapter (``stdlib_next_line`` is
-    written from held-out modules on first use)."""
+    written from held-out modules on first use); ``forward`` defaults to the Megatron one."""
     from autocompress_nemo.evaluate.lm_eval_adapter import run_lm_eval
     from autocompress_nemo.evaluate.stdlib_task import TASK, write_task
 
@@ -434,7 +453,7 @@ def lm_eval_scores(ctx: Context, model: torch.nn.Module) -> dict[str, Any]:
             raise ValueError("evaluate.lm_eval_include and the generated stdlib_next_line task need one directory")
     res = run_lm_eval(
         model,
-        ctx.forward,
+        forward or ctx.forward,
         ctx.tokenizer,
         tasks,
         include_path=include,
@@ -512,6 +531,8 @@ def evaluate(
             measured_by=f"llama.cpp (llama-cpp-python {_llama_cpp_version()}) on this CPU, F32 KV cache",
             rel_diff_vs_pytorch=on_file["heldout_ppl"] / torch_ppl - 1.0,
         )
+        ctx.say(f"[evaluate] {name}: lm-eval on the exported {files[0].name} in llama.cpp")
+        on_file["lm_eval"] = lm_eval_scores(ctx, GgufModel(files[0]), gguf_forward)
         results["models"][name]["accuracy_exported"] = on_file
     engine = get_engine(cfg.target, workdir=out / "engine_work")
     wl = Workload.from_config(cfg.target.workload)

@@ -65,6 +65,8 @@ def _model(entry: dict[str, Any], method: dict[str, Any], validation: dict[str, 
     if "heldout_tokens" in acc:
         acc.setdefault("perplexity_tokens", acc["heldout_tokens"])
     e["accuracy"] = acc
+    if e.get("accuracy_exported"):  # stages.evaluate: held-out perplexity / lm-eval of the exported GGUF in llama.cpp
+        e["accuracy_exported"] = dict(e["accuracy_exported"])
     if method.get("recovery_tokens"):
         e.setdefault("recovery_tokens", method["recovery_tokens"])
     arch = method.get("arch") or {}

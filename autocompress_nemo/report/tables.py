@@ -281,6 +281,42 @@ def _accuracy(res: dict[str, Any]) -> list[str]:
         out += ["", f"Held-out text: {heldout}."]
     if not tasks:
         out += ["", "No lm-eval tasks were run."]
+    out += ["", "Perplexities and lm-eval above: the project's PyTorch (Megatron) model on this machine."]
+    file_rows = []
+    for e in models.values():
+        f = e.get("accuracy_exported")
+        if not f:
+            continue
+        lm = f.get("lm_eval") or {}
+        file_rows.append(
+            [
+                e["label"],
+                f.get("file", ""),
+                fmt(f.get("heldout_ppl")),
+                fmt(e["accuracy"].get("perplexity")),
+                f"{100 * float(f.get('rel_diff_vs_pytorch', 0.0)):+.3f} %",
+                *(fmt(lm.get(t, {}).get(k)) for t, k in tasks),
+                f.get("measured_by", ""),
+            ]
+        )
+    if file_rows:
+        out += [
+            "",
+            "Measured on the exported file:",
+            "",
+            table(
+                [
+                    "model",
+                    "file",
+                    "perplexity (file)",
+                    "perplexity (PyTorch)",
+                    "difference",
+                    *(f"{t} {k}" for t, k in tasks),
+                    "measured by",
+                ],
+                file_rows,
+            ),
+        ]
     return out
 
 
