@@ -118,3 +118,35 @@ def test_off_or_estimated_engine_changes_nothing(tmp_path) -> None:
         _ctx(2), tmp_path, spec, decisions, choices, cost, {"decode_ms": 1.0}, settler, engine
     ) == (choices, [])
     assert engine.calls == 0
+
+
+class WeightedJudge:
+    """A loss that punishes cuts in decision 0 a hundred times more than anywhere else."""
+
+    label = "kd"
+
+    def __init__(self, decisions):  # noqa: ANN001
+        self.parent = [d.parent_option for d in decisions]
+        self.calls = 0
+
+    def loss(self, choices):  # noqa: ANN001, ANN201
+        self.calls += 1
+        return 0.01 + sum((p - k) * (100.0 if i == 0 else 1.0) for i, (p, k) in enumerate(zip(self.parent, choices)))
+
+
+def test_guard_repairs_differently_a_child_far_worse_than_the_alternatives() -> None:
+    spec, decisions, cost, _ = _setup()
+    judge = WeightedJudge(decisions)
+    parent = [d.parent_option for d in decisions]
+    wrecked = [0] + parent[1:]  # every cut on the one decision the loss punishes
+    target = {"decode_ms": cost.predict(apply_choices(spec, decisions, wrecked))["decode_ms"]}
+    settler = Settler(spec, decisions, cost.predict, judge, grow_threshold=0.05, router_kd=1.0, origin=parent)
+    out = settler.guard(wrecked, target)
+    g = settler.guards[-1]
+    assert g["verdict"].startswith("replaced"), g
+    assert out[0] == parent[0] and judge.loss(out) < judge.loss(wrecked) / 1.5
+    assert cost.predict(apply_choices(spec, decisions, out))["decode_ms"] <= target["decode_ms"]
+    assert set(g["alternatives"]) and g["child_kd"] > g["final_kd"] and g["uniform_kd"] is not None
+    # a child no worse than its alternatives is kept
+    settler.guard(out, target)
+    assert settler.guards[-1]["verdict"].startswith("kept")
