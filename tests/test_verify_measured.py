@@ -131,7 +131,9 @@ class WeightedJudge:
 
     def loss(self, choices):  # noqa: ANN001, ANN201
         self.calls += 1
-        return 0.01 + sum((p - k) * (100.0 if i == 0 else 1.0) for i, (p, k) in enumerate(zip(self.parent, choices)))
+        return 0.01 + sum(
+            (p - k) * (100.0 if i == 0 else 1.0) for i, (p, k) in enumerate(zip(self.parent, choices, strict=True))
+        )
 
 
 def test_guard_repairs_differently_a_child_far_worse_than_the_alternatives() -> None:
