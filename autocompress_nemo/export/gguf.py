@@ -128,6 +128,18 @@ def _head_dim(spec: ArchSpec) -> int:
     return dims.pop()
 
 
+def gguf_qtype(dtype: str) -> Any:
+    """The ``gguf`` quantization type a matrix of ``dtype`` is stored in (None: f32 / f16 / unknown)."""
+    import gguf
+
+    return {
+        "bf16": gguf.GGMLQuantizationType.BF16,
+        "q8_0": gguf.GGMLQuantizationType.Q8_0,
+        "q4_0": gguf.GGMLQuantizationType.Q4_0,
+        "q4_1": gguf.GGMLQuantizationType.Q4_1,
+    }.get(dtype)
+
+
 def _encode(w: np.ndarray, dtype: str) -> tuple[np.ndarray, Any]:
     """(array, raw_dtype) for GGUFWriter.add_tensor; 1-D tensors (norms) always stay F32."""
     import gguf
@@ -137,12 +149,7 @@ def _encode(w: np.ndarray, dtype: str) -> tuple[np.ndarray, Any]:
         return w, None
     if dtype == "f16":
         return w.astype(np.float16), None
-    qtype = {
-        "bf16": gguf.GGMLQuantizationType.BF16,
-        "q8_0": gguf.GGMLQuantizationType.Q8_0,
-        "q4_0": gguf.GGMLQuantizationType.Q4_0,
-        "q4_1": gguf.GGMLQuantizationType.Q4_1,
-    }.get(dtype)
+    qtype = gguf_qtype(dtype)
     if qtype is None:
         raise ValueError(f"write_gguf: dtype {dtype!r} not supported; use one of {sorted(_FTYPE)}")
     return gguf.quants.quantize(w, qtype), qtype

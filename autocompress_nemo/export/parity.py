@@ -321,14 +321,11 @@ def stored_weights(sd: dict[str, Any], dtype: str) -> dict[str, Any]:
     1-D tensors unchanged, as ``write_gguf`` keeps them F32): the weights the file holds."""
     import gguf
 
+    from autocompress_nemo.export.gguf import gguf_qtype
+
     if dtype not in TOLERANCE:
         raise ValueError(f"dtype {dtype!r} has no parity tolerance; known: {sorted(TOLERANCE)}")
-    qtype = {
-        "bf16": gguf.GGMLQuantizationType.BF16,
-        "q8_0": gguf.GGMLQuantizationType.Q8_0,
-        "q4_0": gguf.GGMLQuantizationType.Q4_0,
-        "q4_1": gguf.GGMLQuantizationType.Q4_1,
-    }.get(dtype)
+    qtype = gguf_qtype(dtype)
     out: dict[str, Any] = {}
     for k, v in sd.items():
         is_torch = hasattr(v, "detach")
