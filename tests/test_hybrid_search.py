@@ -98,6 +98,7 @@ def test_reorder_then_router_search_meets_params_budget(megatron_tp1):
     from types import SimpleNamespace
 
     from autocompress_nemo.extract.repair import repair
+    from autocompress_nemo.search.judge import ProxyJudge
     from autocompress_nemo.rank.moe_mamba import (
         apply_moe_mamba_permutations,
         collect_moe_mamba_importance,
@@ -150,7 +151,7 @@ def test_reorder_then_router_search_meets_params_budget(megatron_tp1):
         [float(costs.predict(apply_choices(spec, [d], [k]))["params"]) for k in range(len(d.options))]
         for d in decisions
     ]  # parameter-proportional importance
-    choices, _ = repair(spec, decisions, out.choices, costs.predict, budget, imp_rows)
+    choices, _ = repair(spec, decisions, out.choices, costs.predict, budget, ProxyJudge(imp_rows))
     child = apply_choices(spec, decisions, choices)
     assert costs.predict(child)["params"] <= budget["params"]
     x = ids(spec, T=10, B=2, seed=9)
