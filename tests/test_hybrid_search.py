@@ -98,13 +98,13 @@ def test_reorder_then_router_search_meets_params_budget(megatron_tp1):
     from types import SimpleNamespace
 
     from autocompress_nemo.extract.repair import repair
-    from autocompress_nemo.search.judge import ProxyJudge
     from autocompress_nemo.rank.moe_mamba import (
         apply_moe_mamba_permutations,
         collect_moe_mamba_importance,
         permutations_from_scores,
     )
     from autocompress_nemo.search.autocompress import run_router_search
+    from autocompress_nemo.search.judge import ProxyJudge
 
     spec = conf_spec("tiny_hybrid")
     sd = random_hf_state_dict(spec, seed=3)
