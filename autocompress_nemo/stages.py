@@ -334,6 +334,14 @@ def extract(ctx: Context, out: Path, rank_dir: Path, search_dir: Path) -> None:
     )
 
 
+def judge_batches(ctx: Context) -> list[torch.Tensor]:
+    """The fixed calibration batches the KD judge scores children on (``search.judge_batches`` of
+    ``search.batch_size x search.judge_seq_len`` tokens), shared by the search and the extract check."""
+    s = ctx.cfg.search
+    bs, seq = int(s.batch_size), int(s.judge_seq_len)
+    return [ctx.batch_at("calib", i, bs, seq, seed_offset=41) for i in range(int(s.judge_batches))]
+
+
 def sliced_kd(
     ctx: Context, spec: ArchSpec, sd: dict[str, torch.Tensor], child: ArchSpec, child_sd: dict[str, torch.Tensor]
 ) -> float:
@@ -344,14 +352,13 @@ def sliced_kd(
     from autocompress_nemo.search.autocompress import _local_rows
 
     s, par = ctx.cfg.search, Parallel.detect()
-    bs, seq = int(s.batch_size), int(s.judge_seq_len)
     teacher, student = ctx.model(spec, sd), ctx.model(child, child_sd)
     teacher.eval()
     student.eval()
     vals = []
     with torch.no_grad():
-        for i in range(int(s.judge_batches)):
-            x = _local_rows(ctx.batch_at("calib", i, bs, seq, seed_offset=41), par)
+        for b in judge_batches(ctx):
+            x = _local_rows(b, par)
             vals.append(float(kd_loss(ctx.forward(student, x), ctx.forward(teacher, x), float(s.kd_temperature))))
     from autocompress_nemo.search.judge import world_mean
 
@@ -615,14 +622,13 @@ def settle_choices(
     if model is None:  # the parent already meets the budget: nothing to judge but the proxy
         judge: Any = ProxyJudge(importance())
     else:
-        bs, seq = int(s.batch_size), int(s.judge_seq_len)
         judge = make_judge(
             str(s.judge),
             importance=importance,
             model=lambda: model,
             parent=spec,
             decisions=decisions,
-            batches=lambda: [ctx.batch_at("calib", i, bs, seq, seed_offset=41) for i in range(int(s.judge_batches))],
+            batches=lambda: judge_batches(ctx),
             forward=ctx.forward,
             temperature=float(s.kd_temperature),
         )

