@@ -3,13 +3,12 @@ tokenizer, the token data and Megatron models built from HF-named state dicts.""
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 
 from autocompress_nemo.arch.spec import ArchSpec
@@ -41,24 +40,39 @@ class Context:
         warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
         self.cfg = cfg
         self.say = say
-        self._dist_ready = False
+        # what stage views of this context share: the parent and the corpus (by the config they
+        # came from), whether the process groups are up
+        self._shared: dict[Any, Any] = {"dist_ready": False}
+
+    def for_stage(self, reads: tuple[str, ...]) -> Context:
+        """This context as one stage sees it: a config holding only ``reads`` (and ``run_dir``), so
+        a read of anything else fails (``stages/__init__.py``); loaded parents and corpora are shared."""
+        view = Context(config_view(self.cfg, reads), self.say)
+        view._shared = self._shared
+        return view
 
     # -- process groups ----------------------------------------------------------------
     def init_distributed(self) -> None:
-        if self._dist_ready:
+        if self._shared["dist_ready"]:
             return
         from autocompress_nemo.distributed import init_distributed
 
         c = self.cfg.cluster
         init_distributed(tp=int(c.tp), pp=int(c.pp), ep=int(c.ep), backend=str(c.backend), seed=int(self.cfg.seed))
         torch.manual_seed(int(self.cfg.seed))
-        self._dist_ready = True
+        self._shared["dist_ready"] = True
 
     # -- parent ---------------------------------------------------------------------------
-    @functools.cached_property
+    @property
     def parent(self) -> tuple[ArchSpec, dict[str, torch.Tensor], Any]:
         """(spec, HF-named float32 state dict, tokenizer). Random parents get their weights
         from the Megatron initialization with the run's seed."""
+        key = ("parent", _key(self.cfg, "model", "seed"))
+        if key not in self._shared:
+            self._shared[key] = self._load_parent()
+        return self._shared[key]
+
+    def _load_parent(self) -> tuple[ArchSpec, dict[str, torch.Tensor], Any]:
         from autocompress_nemo.models.parent import load_parent
 
         spec, sd, tok = load_parent(self.cfg.model)
@@ -129,17 +143,22 @@ class Context:
         return forward_logits(model, input_ids_BT)
 
     # -- data -----------------------------------------------------------------------------------
-    @functools.cached_property
+    @property
     def data(self) -> Any:
-        from autocompress_nemo.data import build_corpus
+        key = ("data", _key(self.cfg, "data", "model", "seed"))
+        if key not in self._shared:
+            from autocompress_nemo.data import build_corpus
 
-        return build_corpus(
-            self.cfg.data, self.tokenizer, cache_dir=Path(str(self.cfg.run_dir)).parent / ".token_cache"
-        )
+            self._shared[key] = build_corpus(
+                self.cfg.data, self.tokenizer, cache_dir=Path(str(self.cfg.run_dir)).parent / ".token_cache"
+            )
+        return self._shared[key]
 
-    @functools.lru_cache(maxsize=16)  # noqa: B019 - one Context per run
     def _packed(self, split: str, seq_len: int) -> Any:
-        return self.data.heldout(seq_len) if split == "heldout" else self.data.train(seq_len)
+        key = ("packed", _key(self.cfg, "data", "model", "seed"), split, seq_len)
+        if key not in self._shared:
+            self._shared[key] = self.data.heldout(seq_len) if split == "heldout" else self.data.train(seq_len)
+        return self._shared[key]
 
     def batch_at(self, split: str, step: int, batch: int, seq_len: int, seed_offset: int = 0) -> torch.Tensor:
         """Deterministic batch ``step`` of ``split`` (``train``/``calib`` read the training documents
@@ -156,6 +175,41 @@ class Context:
         if n == 0:
             raise ValueError(f"held-out text has {len(ds)} sequences of {seq_len} tokens: not one batch of {batch}")
         return [torch.from_numpy(ds.sequences(range(i * batch, (i + 1) * batch))[:, :-1].copy()) for i in range(n)]
+
+
+# -- config views -------------------------------------------------------------------------------
+def _key(cfg: DictConfig, *keys: str) -> str:
+    from autocompress_nemo.utils.artifacts import hash_obj
+
+    missing = object()
+    vals = {k: OmegaConf.select(cfg, k, default=missing) for k in keys}
+    for k, v in vals.items():
+        if v is missing:
+            raise KeyError(f"{k!r} is not in this stage's config: declare it in the stage's reads (stages/)")
+    return hash_obj({k: _plain(v) for k, v in vals.items()})
+
+
+def _plain(v: Any) -> Any:
+    return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+
+
+def config_view(cfg: DictConfig, reads: tuple[str, ...]) -> DictConfig:
+    """A read-only copy of ``cfg`` holding only the dotted keys ``reads`` (and ``run_dir``):
+    reading any other key raises. Interpolations are resolved against the full config first."""
+    from omegaconf.errors import ConfigKeyError
+
+    from autocompress_nemo.stages.declare import ALWAYS
+
+    out = OmegaConf.create({})
+    for k in (*reads, *ALWAYS):
+        parent, _, leaf = k.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        if node is None or leaf not in node:
+            raise ConfigKeyError(f"a stage declares it reads {k!r}, which the config does not have")
+        OmegaConf.update(out, k, _plain(OmegaConf.select(cfg, k)), merge=False, force_add=True)
+    OmegaConf.set_struct(out, True)
+    OmegaConf.set_readonly(out, True)
+    return out
 
 
 # -- state dict / spec files ---------------------------------------------------------------------

@@ -77,6 +77,22 @@ class Run:
             key["artifact_version"] = ARTIFACT_VERSIONS[name]
         return hash_obj(key)
 
+    def run_stage(
+        self,
+        stage: Any,
+        ctx: Any,
+        fn: Callable[[Any, Path], Any],
+        inputs: list[Path] | None = None,
+        method: str | None = None,
+    ) -> Path:
+        """Run a declared stage (``stages.Stage``): its cache key from ``stage.reads`` and the
+        checksums of ``inputs``; ``fn(view, tmp_dir)`` gets a context whose config holds only
+        ``stage.reads`` (``Context.for_stage``)."""
+        view = ctx.for_stage(stage.reads)
+        return self.stage(
+            stage.dir_name(method), lambda d: fn(view, d), stage.reads, inputs, rank0_only=stage.rank0_only
+        )
+
     def ckpt_dir(self, name: str) -> Path:
         d = self.dir / f"{name}.ckpt"
         d.mkdir(parents=True, exist_ok=True)

@@ -86,13 +86,13 @@ class Setup:
 
 
 def smollm2_sorted(gguf: Path, budget_factor: float = 0.6) -> Setup:
-    from autocompress_nemo import stages
     from autocompress_nemo.config.entry import compose
     from autocompress_nemo.extract.repair import option_importance
     from autocompress_nemo.models.llama import load_gguf
     from autocompress_nemo.rank.importance import collect_importance
     from autocompress_nemo.rank.reorder import apply_permutations, permutations_from_scores, sorted_importance
     from autocompress_nemo.search.space import build_space
+    from autocompress_nemo.stages import common as stages
     from tests.method_utils import megatron_from_hf
 
     cfg = compose([])

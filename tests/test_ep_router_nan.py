@@ -25,7 +25,6 @@ skipped by the non-finite-gradient guard), finite, at EP=2 as at EP=1.
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -111,13 +110,14 @@ def _search(rank: int, world: int, out_dir: str) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from autocompress_nemo import stages
     from autocompress_nemo.arch.counts import param_count
     from autocompress_nemo.config.entry import compose
     from autocompress_nemo.context import Context
     from autocompress_nemo.models.builder import forward_logits
     from autocompress_nemo.search.autocompress import run_router_search
     from autocompress_nemo.search.space import build_space
+    from autocompress_nemo.stages import common as stages
+    from tests.cfg_utils import search_cfg
     from tests.method_utils import ParamCost
 
     cfg = compose([*OVERRIDES, f"run_dir={out_dir}/run", f"cluster.ep={world}", f"cluster.processes_per_node={world}"])
@@ -151,7 +151,7 @@ def _search(rank: int, world: int, out_dir: str) -> dict:
             {"params": 0.5 * param_count(spec)},
             lambda s: ctx.batch_at("train", s, 2, 128, seed_offset=17),
             forward_logits,
-            SimpleNamespace(**SEARCH),
+            search_cfg(**SEARCH),
             seed=0,
             log=lambda s: None,
         )

@@ -6,14 +6,14 @@ stages of a run composed like the pipeline's (``model=tiny_hybrid +target=tiny_h
 cluster.ep=2``: ``M*EME-``, 4 routed experts top-2, shared expert; the stdlib token data), through
 ``pipeline.Run.stage`` (rank 0 writes each artifact) and ``Context``:
 
-- rank: the stage (``stages.rank``; every rank calibrates on the same batches): scores and
+- rank: the stage (``stages/rank.py``; every rank calibrates on the same batches): scores and
   permutations of routed experts, expert / shared neurons and Mamba heads;
 - search: ``run_router_search`` on the sorted parent with the search stage's batches (the stage
   itself needs a profiled cost table; the cost here is the exact parameter count), each DP rank on
   its half of the global batch — shared weights frozen (the default) and trained, and a kill at
   step 5 + resume of the trained one (one weight shard per EP rank);
 - extract: the stage, for a fixed heterogeneous child with 4 and 2 routed experts;
-- distill: the stage (``stages.distill``, each DP rank on half the batch, hidden-state loss on,
+- distill: the stage (``stages/distill.py``, each DP rank on half the batch, hidden-state loss on,
   clipping at norm 1 active): loss and gradient-norm history, final weights (experts gathered
   from both EP ranks), one checkpoint shard per EP rank, and a kill at step 3 + resume.
 
@@ -97,7 +97,6 @@ def _stages(rank: int, world: int, out_dir: str) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from autocompress_nemo import stages
     from autocompress_nemo.arch.counts import param_count
     from autocompress_nemo.config.entry import compose
     from autocompress_nemo.config.validate import validate
@@ -106,6 +105,10 @@ def _stages(rank: int, world: int, out_dir: str) -> dict:
     from autocompress_nemo.pipeline import Run
     from autocompress_nemo.search.autocompress import run_router_search
     from autocompress_nemo.search.space import apply_choices, build_space
+    from autocompress_nemo.stages import distill as distill_stage
+    from autocompress_nemo.stages import extract as extract_stage
+    from autocompress_nemo.stages import rank as rank_stage
+    from autocompress_nemo.stages.layout import ExtractDir, RankDir, SearchDir
     from autocompress_nemo.utils.artifacts import write_json_atomic
     from tests.method_utils import ParamCost
 
@@ -121,7 +124,7 @@ def _stages(rank: int, world: int, out_dir: str) -> dict:
     res: dict = {"n_local": n_local}
 
     # -- rank: the stage (every rank calibrates on the same batches; rank 0 writes the artifact) ---
-    rank_dir = run.stage("rank", lambda o: stages.rank(ctx, o), ("model", "search"))
+    rank_dir = run.stage("rank", lambda o: rank_stage.run(ctx, o), ("model", "search"))
     scores = read_json(rank_dir / "scores.json")
     res["tokens"] = scores["tokens"]
     res["scores"] = {
@@ -174,7 +177,10 @@ def _stages(rank: int, world: int, out_dir: str) -> dict:
         "search_fixed", lambda o: write_json_atomic(o / "arch.json", {"child": child.to_dict()}), ("model",), [rank_dir]
     )
     extract_dir = run.stage(
-        "extract", lambda o: stages.extract(ctx, o, rank_dir, search_dir), ("model",), [rank_dir, search_dir]
+        "extract",
+        lambda o: extract_stage.run(ctx, o, RankDir(rank_dir), SearchDir(search_dir)),
+        ("model",),
+        [rank_dir, search_dir],
     )
 
     # -- distill: the stage (each DP rank on B/dp rows), uninterrupted and killed + resumed ------
@@ -190,7 +196,7 @@ def _stages(rank: int, world: int, out_dir: str) -> dict:
         try:
             d = run.stage(
                 name,
-                lambda o: stages.distill(ctx, o, rank_dir, extract_dir, run.ckpt_dir(name)),
+                lambda o: distill_stage.run(ctx, o, RankDir(rank_dir), ExtractDir(extract_dir), run.ckpt_dir(name)),
                 ("distill",),
                 [rank_dir, extract_dir],
             )
@@ -308,10 +314,10 @@ def test_ep2_distill_equals_ep1_and_resumes(runs) -> None:
 def test_search_space_under_ep_keeps_multiples_of_ep_experts() -> None:
     """A run laid out at EP=2 searches only students it can shard: every kept routed-expert count
     is a multiple of 2 (the engine's own alignment allows 3 of 4)."""
-    from autocompress_nemo import stages
     from autocompress_nemo.arch.from_config import spec_from_model_config
     from autocompress_nemo.config.entry import compose
     from autocompress_nemo.search.space import build_space
+    from autocompress_nemo.stages import common as stages
 
     def counts(extra: list[str]) -> set[int]:
         cfg = compose(["model=tiny_hybrid", "+target=tiny_hybrid_cpu", *extra])

@@ -6,7 +6,7 @@ dense-MLP neurons and hidden channels.
   hybrid and on a heterogeneous one (removed blocks, a shared-expert-only MoE block); LatentMoE
   (experts in a latent space, hidden reordered around them) leaves Megatron's logits unchanged.
 - The scores survive the JSON round trip; files without the new fields still read.
-- ``stages_hybrid.option_importance`` gives every option the summed sorted scores it keeps
+- ``extract.repair.option_importance`` gives every option the summed sorted scores it keeps
   (attention and MLP options included) and refuses a rank artifact without them.
 - TP=2 and EP=2 (2 gloo processes) give the same global scores as one process; the dense scorer
   with sequence parallelism (TP=2) gives the dense scores of TP=1.
@@ -95,8 +95,8 @@ def test_latent_moe_hidden_reorder_keeps_logits(megatron_tp1):
 
 @requires_mamba
 def test_scores_json_round_trip_and_option_importance(megatron_tp1):
+    from autocompress_nemo.extract.repair import option_importance
     from autocompress_nemo.search.space import build_space
-    from autocompress_nemo.stages_hybrid import option_importance
 
     spec = conf_spec("tiny_hybrid")
     imp = _score(spec, random_hf_state_dict(spec, seed=9))
@@ -118,7 +118,7 @@ def test_scores_json_round_trip_and_option_importance(megatron_tp1):
     caps = {**ALL_CAPS, "vary_top_k": False, "remove_moe": False}
     decisions = build_space(spec, caps)
     s = sorted_scores(imp, perms)
-    rows = option_importance(decisions, s, spec)
+    rows = option_importance(decisions, s)
     kinds = {d.kind for d in decisions}
     assert {"attention", "mlp", "mamba", "moe_routed", "moe_shared"} <= kinds
     for d, row in zip(decisions, rows, strict=True):
@@ -148,7 +148,7 @@ def test_scores_json_round_trip_and_option_importance(megatron_tp1):
     g_attn = next(d.block_index for d in decisions if d.kind == "attention")
     s.blocks[g_attn].heads = None
     with pytest.raises(ValueError, match="no 'heads' scores"):
-        option_importance(decisions, s, spec)
+        option_importance(decisions, s)
 
 
 # -- parallel layouts -------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from autocompress_nemo.models.hybrid import hf_to_megatron
 from autocompress_nemo.models.hybrid.state_dict import random_hf_state_dict
 from autocompress_nemo.search.space import apply_choices, build_space
 from autocompress_nemo.search.supernet import Supernet
+from tests.cfg_utils import search_cfg
 from tests.method_utils import ParamCost
 
 TOL = 2e-5
@@ -95,14 +96,9 @@ def test_topk_and_expert_masks_softmax_moe(megatron_tp1):
 
 @requires_mamba
 def test_reorder_then_router_search_meets_params_budget(megatron_tp1):
-    from types import SimpleNamespace
-
     from autocompress_nemo.extract.repair import repair
-    from autocompress_nemo.rank.moe_mamba import (
-        apply_moe_mamba_permutations,
-        collect_moe_mamba_importance,
-        permutations_from_scores,
-    )
+    from autocompress_nemo.rank.moe_mamba import collect_moe_mamba_importance
+    from autocompress_nemo.rank.reorder_hybrid import apply_moe_mamba_permutations, permutations_from_scores
     from autocompress_nemo.search.autocompress import run_router_search
     from autocompress_nemo.search.judge import ProxyJudge
 
@@ -117,7 +113,7 @@ def test_reorder_then_router_search_meets_params_budget(megatron_tp1):
     decisions = build_space(spec, caps)
     costs = ParamCost()
     budget = {"params": 0.8 * param_count(spec)}
-    cfg = SimpleNamespace(
+    cfg = search_cfg(
         steps=40,
         router_lr=0.2,
         train_weights=False,

@@ -18,10 +18,10 @@ from autocompress_nemo.models.builder import build_model, forward_logits
 from autocompress_nemo.models.hybrid import hf_to_megatron
 from autocompress_nemo.models.hybrid.names import hf_names
 from autocompress_nemo.models.hybrid.state_dict import random_hf_state_dict
-from autocompress_nemo.rank.moe_mamba import (
+from autocompress_nemo.rank.moe_mamba import collect_moe_mamba_importance
+from autocompress_nemo.rank.reorder_hybrid import (
     MoeMambaPermutations,
     apply_moe_mamba_permutations,
-    collect_moe_mamba_importance,
     permutations_from_scores,
     sorted_scores,
 )

@@ -168,7 +168,7 @@ def test_report_needs_a_model(tmp_path: Path) -> None:
 
 
 def test_report_reads_the_pipeline_layout(tmp_path: Path) -> None:
-    """``stages.collect_results`` output (its own key names) is mapped onto the report schema."""
+    """``stages.report.collect_results`` output (its own key names) is mapped onto the report schema."""
     label = "llama_cpp llama-cpp-python 0.3.36 on x86-64 CPU, 2 cores"
     meas = {
         "prefill_ms": 5.0,

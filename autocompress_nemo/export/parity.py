@@ -4,7 +4,7 @@
   computed in a child process: an invalid model kills the process inside llama.cpp, and a
   crash must become an error naming the file, not the end of the run. The KV cache is F32.
 - :func:`gguf_heldout`: held-out NLL / perplexity of a GGUF file on token batches, the same
-  figure as the project's PyTorch one (``stages.heldout_perplexity``: ``distill.kd.lm_loss``
+  figure as the project's PyTorch one (``stages.evaluate.heldout_perplexity``: ``distill.kd.lm_loss``
   per batch — mean next-token cross entropy over the ``B*(T-1)`` predicted tokens — averaged
   over batches, ``ppl = exp(mean)``, ``tokens = sum(B*T)``), so the two can be compared.
   Measured: the whole SmolLM2 as an F16 GGUF, 2 batches of 2 x 64 tokens of Python source,
@@ -221,7 +221,7 @@ def gguf_heldout(
     timeout_s: float = 1800.0,
 ) -> dict[str, Any]:
     """Held-out NLL / perplexity of GGUF ``path`` on ``batches`` (``[B, T]`` token tensors or
-    arrays), computed like ``stages.heldout_perplexity``: per batch the mean next-token cross
+    arrays), computed like ``stages.evaluate.heldout_perplexity``: per batch the mean next-token cross
     entropy over its ``B*(T-1)`` predicted tokens, averaged over batches."""
     rows: list[list[int]] = []
     shapes: list[tuple[int, int]] = []

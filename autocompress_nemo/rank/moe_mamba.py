@@ -41,15 +41,6 @@ import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
 from autocompress_nemo.rank.importance import Accumulator, cat_over, parallel_groups, sum_over
-from autocompress_nemo.rank.reorder_hybrid import (  # noqa: F401  (re-exported: this module's older API)
-    MoeMambaPermutations,
-    apply_expert_permutation,
-    apply_ffn_permutation,
-    apply_mamba_head_permutation,
-    apply_moe_mamba_permutations,
-    permutations_from_scores,
-    sorted_scores,
-)
 
 
 @dataclass

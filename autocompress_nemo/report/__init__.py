@@ -41,7 +41,7 @@ is shown as "not run" and its plot is skipped with the reason recorded.
       "notes": [str],
     }
 
-The layout the pipeline's ``stages.collect_results`` writes (``methods``, ``budgets``,
+The layout the pipeline's ``stages.report.collect_results`` writes (``methods``, ``budgets``,
 ``measured_by``, ``budget_check``, ``stages_wall_s``...) is also accepted: ``report/compat.py``
 maps it onto this schema.
 

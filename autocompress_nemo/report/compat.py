@@ -1,4 +1,4 @@
-"""Read the layout ``stages.collect_results`` writes today into the report schema.
+"""Read the layout ``stages.report.collect_results`` writes today into the report schema.
 
 The pipeline gathers its artifacts as::
 
@@ -65,7 +65,9 @@ def _model(entry: dict[str, Any], method: dict[str, Any], validation: dict[str, 
     if "heldout_tokens" in acc:
         acc.setdefault("perplexity_tokens", acc["heldout_tokens"])
     e["accuracy"] = acc
-    if e.get("accuracy_exported"):  # stages.evaluate: held-out perplexity / lm-eval of the exported GGUF in llama.cpp
+    if e.get(
+        "accuracy_exported"
+    ):  # stages/evaluate.py: held-out perplexity / lm-eval of the exported GGUF in llama.cpp
         e["accuracy_exported"] = dict(e["accuracy_exported"])
     if method.get("recovery_tokens"):
         e.setdefault("recovery_tokens", method["recovery_tokens"])
@@ -80,7 +82,7 @@ def _model(entry: dict[str, Any], method: dict[str, Any], validation: dict[str, 
 
 
 def from_pipeline(results: dict[str, Any]) -> dict[str, Any]:
-    """The report-schema view of a ``stages.collect_results`` dict (see the module docstring)."""
+    """The report-schema view of a ``stages.report.collect_results`` dict (see the module docstring)."""
     r = dict(results)
     methods = r.pop("methods", None) or {}
     validation = r.pop("validation", None) or {}

@@ -7,7 +7,8 @@ llama.cpp target, the standard-library corpus). ``baseline=true`` adds the Minit
 student at the same budget and recovery tokens; ``search=minitron_pp`` makes the baseline
 the main method. ``stages=[rank]`` runs (or reuses) only the named stages and what they
 need; ``dry_run=true`` plans without weights. A stage whose artifact is complete for the
-same inputs is skipped; a killed stage resumes from its checkpoint.
+same inputs is skipped; a killed stage resumes from its checkpoint. What each stage reads
+(and so what reruns it) is declared in its module under ``autocompress_nemo/stages/``.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
-from autocompress_nemo import stages
 from autocompress_nemo.config.entry import hydra_entry
 from autocompress_nemo.context import Context
 from autocompress_nemo.pipeline import Run
+from autocompress_nemo.stages import distill, evaluate, export, extract, profile, rank, report, search
+from autocompress_nemo.stages.layout import DistillDir, ExtractDir, ProfileDir, RankDir, SearchDir, ValidateDir
 
 TARGET_KEYS = ("target", "model")
+LATER = {"rank", "search", "extract", "distill", "evaluate", "export"}
 
 
 def run_pipeline(cfg: DictConfig) -> dict[str, Any]:
@@ -39,77 +42,69 @@ def run_pipeline(cfg: DictConfig) -> dict[str, Any]:
     wanted = set(cfg.stages)
     out: dict[str, Any] = {"run_dir": str(run.dir)}
 
-    # profile + validate: the cost table of the target and its measured error
-    prof = run.stage("profile", lambda d: _profile(cfg, d), ("target", "model", "search.ffn_options"), rank0_only=True)
-    table = prof / "cost_table" / "cost_table.json"
-    validation = vdir = None
+    prof = ProfileDir(run.run_stage(profile.STAGE, ctx, profile.run))
+    validation: ValidateDir | None = None
     if "validate" in wanted:
-        validation = run.stage(
-            "validate", lambda d: _validate(cfg, table, d), ("target", "model", "seed"), [prof], rank0_only=True
-        )
-        vdir = validation / "validation"
-    if not wanted & {"rank", "search", "extract", "distill", "evaluate", "export"}:
+        vd = run.run_stage(profile.VALIDATE, ctx, lambda c, d: profile.validate(c, d, prof), [prof.dir])
+        validation = ValidateDir(vd)
+    if not wanted & LATER:
         return out
+    ranked = RankDir(run.run_stage(rank.STAGE, ctx, rank.run))
 
-    ranked = run.stage(
-        "rank",
-        lambda d: stages.rank(ctx, d),
-        (
-            "model",
-            "data",
-            "search.calib_sequences",
-            "search.seq_len",
-            "search.batch_size",
-            "search.search_hidden",
-            "seed",
-        ),
-    )
     methods = [str(cfg.search.method)] + (
         ["minitron_pp"] if cfg.baseline and cfg.search.method != "minitron_pp" else []
     )
     students: dict[str, Path] = {}
     extracted: dict[str, Path] = {}
     for m in methods:
-        if not wanted & {"search", "extract", "distill", "evaluate", "export"}:
+        if not wanted & (LATER - {"rank"}):
             break
-        inputs = [ranked, prof] + ([validation] if validation else [])
+        inputs = [ranked.dir, prof.dir] + ([validation.dir] if validation else [])
+        ckpt = run.ckpt_dir(search.STAGE.dir_name(m))
         try:
-            arch = run.stage(
-                f"search_{m}",
-                lambda d, m=m: stages.search(ctx, d, m, ranked, table, vdir, run.ckpt_dir(f"search_{m}")),
-                ("target", "search", "seed"),
-                inputs,
+            found = SearchDir(
+                run.run_stage(
+                    search.STAGE,
+                    ctx,
+                    lambda c, d, m=m, k=ckpt: search.run(c, d, m, ranked, prof, validation, k),
+                    inputs,
+                    m,
+                )
             )
         except ValueError as e:
             if m == str(cfg.search.method):
                 raise
             run.say(f"[search_{m}] baseline not run: {e}")  # e.g. no uniform architecture meets the budget
             continue
-        student = run.stage(f"extract_{m}", lambda d, a=arch: stages.extract(ctx, d, ranked, a), (), [ranked, arch])
+        student = run.run_stage(
+            extract.STAGE, ctx, lambda c, d, f=found: extract.run(c, d, ranked, f), [ranked.dir, found.dir], m
+        )
         extracted[m] = student
-        if wanted & {"distill", "evaluate", "export"} and "distill" in wanted:
-            student = run.stage(
-                f"distill_{m}",
-                lambda d, s=student, m=m: stages.distill(ctx, d, ranked, s, run.ckpt_dir(f"distill_{m}")),
-                ("distill", "data", "seed"),
-                [ranked, student],
+        if "distill" in wanted:
+            ckpt = run.ckpt_dir(distill.STAGE.dir_name(m))
+            student = run.run_stage(
+                distill.STAGE,
+                ctx,
+                lambda c, d, s=student, k=ckpt: distill.run(c, d, ranked, ExtractDir(s), k),
+                [ranked.dir, student],
+                m,
             )
         students[m] = student
     exports: dict[str, Path] = {}
     if "export" in wanted:  # before evaluate: the accuracy of the exported file is measured there
         for m, s in students.items():
-            exports[m] = run.stage(f"export_{m}", lambda d, s=s: stages.export(ctx, d, s), ("target.engine",), [s])
+            exports[m] = run.run_stage(export.STAGE, ctx, lambda c, d, s=s: export.run(c, d, DistillDir(s)), [s], m)
     if "evaluate" in wanted and students:
-        ev = run.stage(
-            "evaluate",
-            lambda d: stages.evaluate(ctx, d, ranked, table, vdir, students, extracted, exports),
-            ("target", "evaluate"),
-            [ranked, prof, *students.values(), *extracted.values(), *exports.values()]
-            + ([validation] if validation else []),
+        ev = run.run_stage(
+            evaluate.STAGE,
+            ctx,
+            lambda c, d: evaluate.run(c, d, prof, validation, students, extracted, exports),
+            [ranked.dir, prof.dir, *students.values(), *extracted.values(), *exports.values()]
+            + ([validation.dir] if validation else []),
         )
         out["evaluation"] = str(ev / "evaluation.json")
     if "report" in wanted or "evaluate" in wanted:
-        out["report"] = str(stages.report(ctx, run, methods, vdir))
+        out["report"] = str(report.run(ctx.for_stage(report.STAGE.reads), run, methods, validation))
     return out
 
 
@@ -124,18 +119,6 @@ def with_profile_settings(cfg: DictConfig) -> DictConfig:
         for k, v in extra.items():
             out.target.engine.settings[k] = v
     return out
-
-
-def _profile(cfg: DictConfig, d: Path) -> None:
-    from autocompress_nemo.profile.stage import run_profile
-
-    run_profile(cfg, d)
-
-
-def _validate(cfg: DictConfig, table: Path, d: Path) -> None:
-    from autocompress_nemo.profile.stage import run_validate
-
-    run_validate(cfg, table, d)
 
 
 def _task(cfg: DictConfig) -> dict[str, Any]:

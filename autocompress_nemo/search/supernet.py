@@ -13,29 +13,71 @@ forward of the extracted smaller model (tested). With soft choices the mask is t
 expected mask ``sum_k p_k * 1[j kept by option k]``.
 
 Under tensor parallelism each rank multiplies its own shard by its slice of the global mask.
+
+The same masks serve MoE / Mamba hybrids:
+
+Legend: T tokens, E routed experts, F expert ffn, S shared-expert ffn, H Mamba heads, p head dim.
+
+Where each decision (``search/space.py``) acts:
+
+- ``attention``: per-query-head mask on the ``linear_proj`` input (as the dense supernet);
+- ``mlp``: per-neuron mask on the ``linear_fc2`` input;
+- ``mamba``: per-head mask (whole groups) on the ``out_proj`` input, i.e. after the gated
+  RMSNorm: a group's norm only sees its own heads, so dropping whole groups is exact (a
+  removed block's ``out_proj`` then writes zero into the residual stream);
+- ``moe_shared``: per-neuron mask on ``shared_experts.linear_fc2``'s input;
+- ``moe_routed``: (a) expert ffn mask ``[F]`` on every routed expert's ``linear_fc2`` input;
+  (b) the router's ``routing`` is replaced: dropped experts get ``-inf`` selection scores
+  (logits and, for a sigmoid router, the selection bias) *before* top-k, so they are never
+  picked and the top-k weights are renormalized over the kept experts exactly as the child's
+  router does; (c) top-k: with the experts sorted by selection score, the weights of top-k
+  option ``k'`` are the score function normalized over the first ``k'`` (sigmoid:
+  ``s_r / sum_{r<k'} s_r`` for ``k' > 1``; softmax after top-k: softmax over the first ``k'``
+  logits; softmax before top-k: unchanged), mixed linearly by the option weights (expert outputs
+  are linear in their weights, so this is the expected output over ``k'``).
+
+Soft (expected) masks for the router search: each mask is ``sum_k w_k * mask_k`` over the
+options' keep-indicators. For routed experts the expected keep-mask ``m_e`` scales expert
+``e``'s routing weight (so gradients reach the choice), while *selection* uses the hard mask
+``m_e >= 0.5`` (an expert is excluded from top-k when most of the option weight drops it): a
+straight-through-style relaxation, exact for one-hot choices. Group-limited routing, token
+dropping and expert tensor parallelism are not supported with routed-expert decisions (a clear
+error).
+
+Expert parallelism: the MoE router is replicated and scores all ``E`` experts on every rank, so the
+expert keep-mask ``m_e`` and the top-k weights index *global* (sorted) experts and act on this
+rank's tokens; the expert-ffn mask is applied inside each rank's *local* experts (global ffn
+index, no expert TP), i.e. to the tokens of every EP rank that the dispatcher sent there. Summing
+the router-logit gradients over the data-parallel ranks therefore counts every use of every mask
+once (``autocompress.run_router_search``); EP=2 equals EP=1 in tests/test_ep_stages.py.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
 from autocompress_nemo.distributed.state import tensor_parallel
+from autocompress_nemo.models.megatron import block_layers
 from autocompress_nemo.search.space import Decision
 
 
-def option_masks(decision: Decision, parent_block: AttentionBlock | MlpBlock) -> torch.Tensor:
-    """``[K, D]`` keep-indicators of every option over the parent's (sorted) dimension."""
-    if decision.kind == "attention":
-        assert isinstance(parent_block, AttentionBlock)
-        hpg = parent_block.heads_per_group
-        g = torch.arange(parent_block.num_heads) // hpg
-        r = torch.arange(parent_block.num_heads) % hpg
-        rows = [((g < o.num_kv_groups) & (r < o.heads_per_group)).float() for o in decision.options]  # type: ignore[union-attr]
-    else:
-        assert isinstance(parent_block, MlpBlock)
-        j = torch.arange(parent_block.ffn)
-        rows = [(j < o.ffn).float() for o in decision.options]  # type: ignore[union-attr]
+def _head_or_neuron_masks(decision: Decision, parent_block: AttentionBlock | MlpBlock) -> torch.Tensor:
+    """``[K, D]`` keep-indicators of every option over the parent's (sorted) query heads / neurons."""
+    from autocompress_nemo.extract.slice import kept_heads
+
+    rows = []
+    for o in decision.options:
+        if isinstance(parent_block, AttentionBlock):
+            assert isinstance(o, AttentionBlock)
+            row = torch.zeros(parent_block.num_heads)
+            row[kept_heads(parent_block.heads_per_group, o.num_kv_groups, o.heads_per_group)] = 1.0
+        else:
+            assert isinstance(o, MlpBlock)
+            row = (torch.arange(parent_block.ffn) < o.ffn).float()
+        rows.append(row)
     return torch.stack(rows)
 
 
@@ -44,59 +86,165 @@ def _tp() -> tuple[int, int]:
     return rank, world
 
 
+def _prefix(n: int, keep: list[int]) -> torch.Tensor:
+    j = torch.arange(n)
+    return torch.stack([(j < k).float() for k in keep])
+
+
+def option_masks(d: Decision, parent: ArchSpec) -> dict[str, torch.Tensor]:
+    """``{mask name: [K, D]}`` keep-indicators of every option of ``d`` (prefixes of the sorted parent)."""
+    pb = parent.blocks[d.block_index]
+    if d.kind in ("attention", "mlp"):
+        assert isinstance(pb, AttentionBlock | MlpBlock)
+        return {"out": _head_or_neuron_masks(d, pb)}
+    if d.kind == "mamba":
+        assert isinstance(pb, MambaBlock)
+        return {"out": _prefix(pb.num_heads, [o.num_heads for o in d.options])}  # type: ignore[union-attr]
+    assert isinstance(pb, MoeBlock)
+    if d.kind == "moe_shared":
+        return {"shared": _prefix(pb.shared_ffn, [o.shared_ffn for o in d.options])}  # type: ignore[union-attr]
+    if d.kind == "moe_routed":
+        ks = sorted({o.top_k for o in d.options if o.num_experts})  # type: ignore[union-attr]
+        topk = torch.stack(
+            [
+                torch.tensor([float(o.num_experts and o.top_k == k) for k in ks])  # type: ignore[union-attr]
+                for o in d.options
+            ]
+        )
+        return {
+            "experts": _prefix(pb.num_experts, [o.num_experts for o in d.options]),  # type: ignore[union-attr]
+            "expert_ffn": _prefix(pb.expert_ffn, [o.expert_ffn for o in d.options]),  # type: ignore[union-attr]
+            "topk": topk,
+            "topk_values": torch.tensor(ks, dtype=torch.float32).unsqueeze(0),
+        }
+    raise ValueError(f"decision kind {d.kind!r} has no supernet mask")
+
+
 class Supernet:
-    """Installs mask hooks on a Megatron GPT model built from the sorted parent."""
-
-    def __new__(cls, model: torch.nn.Module, parent: ArchSpec, decisions: list[Decision]):  # noqa: ANN204
-        if cls is Supernet and parent.kinds() & {"moe", "mamba"}:  # hybrids: search/supernet_hybrid.py (H7)
-            from autocompress_nemo.search.supernet_hybrid import HybridSupernet
-
-            return super().__new__(HybridSupernet)
-        return super().__new__(cls)
+    """Mask hooks on a Megatron model built from the sorted parent (``GPTModel`` or ``HybridModel``:
+    ``models.megatron.block_layers`` finds each block's layer): ``set_choice_weights``,
+    ``set_choices``, ``clear``, ``remove``, ``enabled``."""
 
     def __init__(self, model: torch.nn.Module, parent: ArchSpec, decisions: list[Decision]):
-        self.model = model
-        self.parent = parent
-        self.decisions = decisions
-        self.option_masks = [option_masks(d, parent.blocks[d.block_index]) for d in decisions]  # type: ignore[arg-type]
-        self._masks: dict[int, torch.Tensor] = {}  # block index -> [D] mask over parent dim
+        self.model, self.parent, self.decisions = model, parent, decisions
+        self.masks_of = [option_masks(d, parent) for d in decisions]
+        self._masks: dict[tuple[int, str], torch.Tensor] = {}
+        self._topk: dict[int, list[int]] = {}
         self.enabled = True
-        self._handles = []
+        self._handles: list[Any] = []
+        self._routers: list[Any] = []
         tp_rank, tp_world = _tp()
-        layers = model.decoder.layers
-        for d in decisions:
-            layer = layers[d.block_index // 2]
-            pb = parent.blocks[d.block_index]
+        layers = block_layers(model)
+        for d, om in zip(decisions, self.masks_of, strict=True):
+            bi, pb = d.block_index, parent.blocks[d.block_index]
+            if bi not in layers:
+                continue  # another pipeline stage
+            layer = layers[bi]
             if d.kind == "attention":
-                mod = layer.self_attention.linear_proj
-                unit, size = pb.head_dim, pb.num_heads  # type: ignore[union-attr]
-            else:
-                mod = layer.mlp.linear_fc2
-                unit, size = 1, pb.ffn  # type: ignore[union-attr]
-            local = size // tp_world
-            self._handles.append(
-                mod.register_forward_pre_hook(self._make_hook(d.block_index, unit, local * tp_rank, local))
-            )
+                self._hook(layer.self_attention.linear_proj, (bi, "out"), pb.head_dim, pb.num_heads, tp_rank, tp_world)  # type: ignore[union-attr]
+            elif d.kind == "mlp":
+                self._hook(layer.mlp.linear_fc2, (bi, "out"), 1, pb.ffn, tp_rank, tp_world)  # type: ignore[union-attr]
+            elif d.kind == "mamba":
+                self._hook(layer.mixer.out_proj, (bi, "out"), pb.head_dim, pb.num_heads, tp_rank, tp_world)  # type: ignore[union-attr]
+            elif d.kind == "moe_shared":
+                self._hook(layer.mlp.shared_experts.linear_fc2, (bi, "shared"), 1, pb.shared_ffn, tp_rank, tp_world)  # type: ignore[union-attr]
+            elif d.kind == "moe_routed":
+                self._install_routed(layer, bi, pb, [int(k) for k in om["topk_values"][0].tolist()])  # type: ignore[arg-type]
 
-    def _make_hook(self, block_index: int, unit: int, start: int, length: int):
-        def hook(mod, args):
-            if not self.enabled or block_index not in self._masks:
+    # -- hooks --------------------------------------------------------------------------
+    def _hook(self, mod: torch.nn.Module, key: tuple[int, str], unit: int, size: int, rank: int, world: int) -> None:
+        local = size // world
+        start = local * rank
+
+        def hook(_mod, args):  # noqa: ANN001, ANN202
+            if not self.enabled or key not in self._masks:
                 return None
-            m = self._masks[block_index][start : start + length]
+            m = self._masks[key][start : start + local]
             if unit > 1:
                 m = m.repeat_interleave(unit)
             x = args[0]
             return (x * m.to(x.dtype),) + tuple(args[1:])
 
-        return hook
+        self._handles.append(mod.register_forward_pre_hook(hook))
 
+    def _install_routed(self, layer: Any, bi: int, pb: MoeBlock, ks: list[int]) -> None:
+        cfg = layer.mlp.config
+        if cfg.moe_router_group_topk or cfg.moe_expert_capacity_factor is not None:
+            raise ValueError(
+                f"block {bi}: routed-expert decisions need plain top-k routing (no group-limited "
+                "routing, no token dropping); fix the engine capabilities or the model config"
+            )
+        if getattr(cfg, "expert_tensor_parallel_size", 1) not in (None, 1):
+            raise ValueError(f"block {bi}: routed-expert decisions do not support expert tensor parallelism")
+        for expert in layer.mlp.experts.local_experts:
+            self._hook(expert.linear_fc2, (bi, "expert_ffn"), 1, pb.expert_ffn, 0, 1)
+        router = layer.mlp.router
+        self._topk[bi] = ks
+        original = type(router).routing
+
+        def routing(logits: torch.Tensor, padding_mask: torch.Tensor | None = None):  # noqa: ANN202
+            if not self.enabled or (bi, "experts") not in self._masks:
+                return original(router, logits, padding_mask=padding_mask)
+            return self._masked_routing(router, bi, logits)
+
+        router.routing = routing
+        self._routers.append(router)
+
+    def _masked_routing(self, router: Any, bi: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(probs [T, E], routing_map [T, E])`` of the masked router (module docstring, (b)-(c))."""
+        cfg = router.config
+        E = cfg.num_moe_experts
+        L = logits.view(-1, E).float()
+        m_e = self._masks[(bi, "experts")].to(L.device)
+        w_k = self._masks[(bi, "topk")]
+        ks = self._topk[bi]
+        keep = m_e >= 0.5
+        active = [j for j, w in enumerate(w_k.detach().tolist()) if w > 0]
+        if not bool(keep.any()) or not active:  # no routed experts: the routed part adds nothing
+            z = torch.zeros_like(L)
+            return (z * m_e.sum()).type_as(logits), torch.zeros_like(L, dtype=torch.bool)
+        kmax = min(max(ks[j] for j in active), E)
+        neg = torch.tensor(float("-inf"), device=L.device)
+        score_fn = router.score_function
+        if score_fn == "sigmoid":
+            scores = torch.sigmoid(L)
+            sel = scores + router.expert_bias.float() if router.expert_bias is not None else scores
+            idx = torch.where(keep, sel, neg).topk(kmax, dim=1).indices
+            s = scores.gather(1, idx) * keep[idx]
+        elif score_fn == "softmax" and cfg.moe_router_pre_softmax:
+            scores = torch.softmax(torch.where(keep, L, neg), dim=-1)
+            idx = scores.topk(kmax, dim=1).indices
+            s = scores.gather(1, idx)
+        elif score_fn == "softmax":
+            top = torch.where(keep, L, neg).topk(kmax, dim=1)
+            idx, s = top.indices, top.values
+        else:
+            raise ValueError(f"block {bi}: router score function {score_fn!r} is not supported by the supernet")
+        probs_top = torch.zeros_like(s)
+        for j in active:
+            k = min(ks[j], kmax)
+            part = s[:, :k]
+            if score_fn == "sigmoid":
+                part = part / (part.sum(dim=-1, keepdim=True) + 1e-20) if ks[j] > 1 else part
+            elif not cfg.moe_router_pre_softmax:
+                part = torch.softmax(part, dim=-1).nan_to_num(0.0)
+            probs_top = probs_top + w_k[j] * torch.nn.functional.pad(part, (0, kmax - k))
+        if cfg.moe_router_topk_scaling_factor:
+            probs_top = probs_top * cfg.moe_router_topk_scaling_factor
+        probs_top = probs_top * (m_e[idx] * keep[idx])
+        probs = torch.zeros_like(L).scatter(1, idx, probs_top)
+        routing_map = torch.zeros_like(L, dtype=torch.bool).scatter(1, idx, keep[idx])
+        return probs.type_as(logits), routing_map
+
+    # -- masks --------------------------------------------------------------------------
     def set_choice_weights(self, weights: list[torch.Tensor]) -> None:
-        """Set masks from per-decision option weights (one-hot, probabilities or Gumbel samples)."""
-        for d, om, w in zip(self.decisions, self.option_masks, weights, strict=True):
-            self._masks[d.block_index] = w.to(om.dtype) @ om
+        """Masks from per-decision option weights (one-hot, probabilities or Gumbel samples)."""
+        for d, om, w in zip(self.decisions, self.masks_of, weights, strict=True):
+            for name, m in om.items():
+                if name != "topk_values":
+                    self._masks[(d.block_index, name)] = w.to(m.dtype) @ m
 
     def set_choices(self, choices: list[int]) -> None:
-        """Set one-hot masks: option ``choices[i]`` for decision ``i``."""
         self.set_choice_weights(
             [
                 torch.nn.functional.one_hot(torch.tensor(k), len(d.options)).float()
@@ -108,6 +256,9 @@ class Supernet:
         self._masks.clear()
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
+        for hd in self._handles:
+            hd.remove()
         self._handles.clear()
+        for r in self._routers:
+            r.__dict__.pop("routing", None)
+        self._routers.clear()

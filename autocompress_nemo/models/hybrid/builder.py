@@ -70,10 +70,10 @@ def build_hybrid_model(
     from megatron.core import parallel_state
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from autocompress_nemo.models.builder import padded_vocab, resolve_impl
     from autocompress_nemo.models.hybrid.configs import family_options, model_config
     from autocompress_nemo.models.hybrid.names import hf_names
     from autocompress_nemo.models.hybrid.stack import _modules, block_plan, per_block_stack_class
+    from autocompress_nemo.models.megatron import padded_vocab, resolve_impl
 
     compat_cpu.apply()
     _require_mamba(spec)
@@ -117,8 +117,9 @@ def build_hybrid_model(
     if torch.cuda.is_available():
         model = model.cuda()
     if spec.vocab != padded_vocab(spec.vocab, tp):
-        from autocompress_nemo.models.builder import _zero_padded_vocab_rows
+        from autocompress_nemo.models.megatron import _zero_padded_vocab_rows
 
         _zero_padded_vocab_rows(model, spec.vocab)
     model.arch_spec = spec
+    model.blocks_per_layer = 1  # one ArchSpec block per decoder layer (models/megatron.block_layers)
     return model.eval()

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
-from autocompress_nemo.models.builder import common_config
+from autocompress_nemo.models.megatron import common_config
 
 
 @dataclass(frozen=True)

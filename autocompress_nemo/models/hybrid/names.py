@@ -49,12 +49,15 @@ _NEMOTRON_MIXER = {
     "mnorm": "norm.weight",
     "out_proj": "out_proj.weight",
 }
-_QWEN_ATTN = {
+_QWEN_ATTN = {  # also Llama / Qwen2 / Qwen3 dense (same decoder-layer names)
     "norm": "input_layernorm.weight",
     "q": "self_attn.q_proj.weight",
     "k": "self_attn.k_proj.weight",
     "v": "self_attn.v_proj.weight",
     "o": "self_attn.o_proj.weight",
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
 }
@@ -72,7 +75,7 @@ _QWEN_FFN = {
 
 @dataclass(frozen=True)
 class HfNames:
-    """Tensor names of one checkpoint family (``nemotron_h`` or ``qwen3_moe``)."""
+    """Tensor names of one checkpoint family (``llama``, ``nemotron_h`` or ``qwen3_moe``)."""
 
     family: str
     embed: str
@@ -97,21 +100,23 @@ class HfNames:
 
 NEMOTRON_H = HfNames("nemotron_h", embed="backbone.embeddings.weight", final_norm="backbone.norm_f.weight")
 QWEN3_MOE = HfNames("qwen3_moe", embed="model.embed_tokens.weight", final_norm="model.norm.weight")
+LLAMA = HfNames("llama", embed="model.embed_tokens.weight", final_norm="model.norm.weight")
+PAIRED = {"qwen3_moe": QWEN3_MOE, "llama": LLAMA}
+"""Families whose decoder layer holds two blocks: attention ``2l`` and its feed-forward ``2l+1``."""
 
 
 def hf_names(spec: ArchSpec) -> HfNames:
-    """The naming of ``spec.family``; Qwen3-MoE specs must alternate (attention, mlp|moe)."""
-    if spec.family == "qwen3_moe":
+    """The naming of ``spec.family``; Llama / Qwen3-MoE specs must alternate (attention, mlp|moe)."""
+    if spec.family in PAIRED:
         bad = [i for i, b in enumerate(spec.blocks) if (b.kind == "attention") != (i % 2 == 0)]
         if bad or len(spec.blocks) % 2:
             raise ValueError(
-                f"ArchSpec {spec.name!r} (family qwen3_moe) must alternate attention and mlp/moe blocks, "
+                f"ArchSpec {spec.name!r} (family {spec.family}) must alternate attention and mlp/moe blocks, "
                 f"got pattern {spec.pattern!r}"
             )
-        return QWEN3_MOE
+        return PAIRED[spec.family]
     if spec.family == "nemotron_h":
         return NEMOTRON_H
     raise ValueError(
-        f"ArchSpec {spec.name!r}: family {spec.family!r} has no hybrid/MoE checkpoint names "
-        "(use family 'nemotron_h' or 'qwen3_moe')"
+        f"ArchSpec {spec.name!r}: family {spec.family!r} has no checkpoint names (known: llama, nemotron_h, qwen3_moe)"
     )

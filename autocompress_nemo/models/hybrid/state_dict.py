@@ -307,6 +307,8 @@ def block_roles(spec: ArchSpec, b: Any) -> list[tuple[str, int | None, tuple[int
         put("o", h, b.num_heads * d)
         if family_qk_norm(spec):
             put("q_norm", d), put("k_norm", d)
+        if spec.extra.get("qkv_bias"):  # Qwen2
+            put("q_bias", b.num_heads * d), put("k_bias", b.num_kv_groups * d), put("v_bias", b.num_kv_groups * d)
     elif isinstance(b, MlpBlock):
         put("up", b.ffn, h), put("down", h, b.ffn)
         if b.gated:
@@ -348,6 +350,8 @@ def hf_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
 
 
 def family_qk_norm(spec: ArchSpec) -> bool:
+    if spec.family == "llama":  # Qwen3 dense: per-head q/k RMSNorm
+        return bool(spec.extra.get("qk_layernorm"))
     from autocompress_nemo.models.hybrid.configs import family_options
 
     return family_options(spec).qk_layernorm

@@ -1,0 +1,100 @@
+"""What several stages share: budgets against the parent, engine measurements in budget units,
+the KD judge's calibration batches, the search capabilities under the run's layout."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from autocompress_nemo.arch.counts import param_count
+from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.context import Context, read_json
+from autocompress_nemo.stages.layout import ValidateDir
+
+METHODS = {"autocompress": "AutoCompress", "minitron_pp": "Minitron++"}
+
+BUDGET_READS: tuple[str, ...] = ("target.budget", "target.workload.batch")
+"""What ``budgets`` reads (besides the parent's measured row in the validate artifact)."""
+JUDGE_READS: tuple[str, ...] = (
+    "search.batch_size",
+    "search.judge_seq_len",
+    "search.judge_batches",
+    "search.kd_temperature",
+    "data",
+)
+"""What ``judge_batches`` and a KD judgement read."""
+
+
+def search_capabilities(cfg: Any) -> dict[str, Any]:
+    """The target engine's capabilities, with what this run's own layout needs on top: under
+    expert parallelism (``cluster.ep``) every student keeps a multiple of EP routed experts per
+    MoE block (``expert_align = lcm(engine's, ep)``), so search, extraction and recovery
+    distillation can shard it the way they shard the parent."""
+    caps = cfg.target.engine.capabilities
+    out = dict(OmegaConf.to_container(caps, resolve=True) if OmegaConf.is_config(caps) else (caps or {}))
+    ep = int(cfg.cluster.ep or 1)
+    if ep > 1:
+        out["expert_align"] = math.lcm(int(out.get("expert_align") or 1), ep)
+    return out
+
+
+def parent_reference(validation: ValidateDir | None, predicted: dict[str, Any]) -> tuple[dict[str, float], str]:
+    """The parent's costs that relative budgets refer to: measured in the engine when the
+    validate stage measured it, else predicted (and said so)."""
+    if validation is not None and validation.validation.is_file():
+        for row in read_json(validation.validation).get("rows", []):
+            if row.get("name") == "parent":
+                ref = {
+                    k[5:]: float(x) for k, x in row.items() if k.startswith("meas_") and not k.startswith("meas_mem_")
+                }
+                ref["params"] = float(predicted["params"])
+                return ref, "measured"
+    return {k: float(v) for k, v in predicted.items() if isinstance(v, (int, float))}, "predicted"
+
+
+def budgets(
+    ctx: Context, predictor: Any, parent: ArchSpec, validation: ValidateDir | None
+) -> tuple[dict[str, float], str]:
+    """The budgets in absolute units (``BUDGET_READS``) and whether the parent reference was measured."""
+    from autocompress_nemo.costs.predictor import resolve_budget
+
+    ref, how = parent_reference(validation, predictor.predict(parent))
+    return resolve_budget(ctx.cfg.target.budget, ref, int(ctx.cfg.target.workload.batch)), how
+
+
+def measured_metrics(m: Any, wl: Any, spec: ArchSpec) -> dict[str, float]:
+    """One engine ``Measurement`` in the budget metrics' names and units: response latency
+    ``prefill + output_len * decode``, throughput ``1000 * batch / decode`` tok/s."""
+    return {
+        "prefill_ms": m.prefill_ms,
+        "ttft_ms": m.prefill_ms,
+        "decode_ms": m.decode_ms,
+        "tpot_ms": m.decode_ms,
+        "response_latency_ms": m.prefill_ms + wl.output_len * m.decode_ms,
+        "throughput_tps": 1000.0 * wl.batch / m.decode_ms if m.decode_ms else float("inf"),
+        "memory_bytes": m.memory_bytes,
+        "params": float(param_count(spec)),
+    }
+
+
+def numbers(d: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def judge_batches(ctx: Context) -> list[torch.Tensor]:
+    """The fixed calibration batches the KD judge scores children on (``search.judge_batches`` of
+    ``search.batch_size x search.judge_seq_len`` tokens), shared by the search and the extract check."""
+    s = ctx.cfg.search
+    bs, seq = int(s.batch_size), int(s.judge_seq_len)
+    return [ctx.batch_at("calib", i, bs, seq, seed_offset=41) for i in range(int(s.judge_batches))]
+
+
+def load_table(ctx: Context, table: Path) -> Any:
+    """The cost table of the profile stage, checked against this run's target."""
+    from autocompress_nemo.profile.stage import load_table as load
+
+    return load(ctx.cfg, table)

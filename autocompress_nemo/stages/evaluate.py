@@ -1,0 +1,212 @@
+"""evaluate: accuracy on held-out text (PyTorch, and the exported GGUF in llama.cpp) and lm-eval, and
+the costs measured in the target's engine against the budgets, next to the predictions — for the
+parent and every student, measured in one interleaved session (``EvaluateDir``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autocompress_nemo.arch.counts import param_count
+from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.context import Context, load_weights
+from autocompress_nemo.stages.common import budgets, load_table, measured_metrics, numbers
+from autocompress_nemo.stages.declare import DATA, LAYOUT, Stage, reads
+from autocompress_nemo.stages.layout import EvaluateDir, ExportDir, ProfileDir, ValidateDir
+from autocompress_nemo.utils.artifacts import write_json_atomic
+
+STAGE = Stage(
+    "evaluate",
+    reads=reads(LAYOUT, DATA, "target", "evaluate"),
+    needs=("profile", "validate", "extract", "distill", "export"),
+)
+
+
+def heldout_perplexity(
+    ctx: Context, spec: ArchSpec, sd: dict[str, torch.Tensor], lm_eval: bool = True
+) -> dict[str, Any]:
+    from autocompress_nemo.distill.kd import kd_loss, lm_loss
+
+    ev = ctx.cfg.evaluate
+    batches = ctx.heldout_batches(2, int(ev.seq_len), int(ev.heldout_batches))
+    model = ctx.model(spec, sd)
+    pspec, psd, _ = ctx.parent
+    nll, kd = [], []
+    with torch.no_grad():
+        teacher = ctx.model(pspec, psd) if spec != pspec else None
+        for x in batches:
+            logits = ctx.forward(model, x)
+            nll.append(float(lm_loss(logits, x)))
+            if teacher is not None:
+                kd.append(float(kd_loss(logits, ctx.forward(teacher, x))))
+    mean = sum(nll) / len(nll)
+    out = {
+        "heldout_nll": mean,
+        "heldout_ppl": float(torch.tensor(mean).exp()),
+        "heldout_tokens": sum(x.numel() for x in batches),
+        "kd_to_parent": (sum(kd) / len(kd)) if kd else 0.0,
+    }
+    if lm_eval:
+        out["lm_eval"] = lm_eval_scores(ctx, model)
+    return out
+
+
+class GgufModel(torch.nn.Module):
+    """An exported GGUF file as a model for the lm-eval adapter: ``gguf_forward`` computes its
+    logits in llama.cpp (a child process per batch, ``export/parity.gguf_logits``)."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+
+
+def gguf_forward(model: torch.nn.Module, ids_BT: torch.Tensor) -> torch.Tensor:
+    import numpy as np
+
+    from autocompress_nemo.export.parity import gguf_logits
+
+    assert isinstance(model, GgufModel)
+    rows = gguf_logits(model.path, ids_BT.tolist())
+    return torch.from_numpy(np.stack(rows))  # type: ignore[arg-type]
+
+
+def lm_eval_scores(ctx: Context, model: torch.nn.Module, forward: Any = None) -> dict[str, Any]:
+    """The configured lm-eval tasks through the harness adapter (``stdlib_next_line`` is
+    written from held-out modules on first use); ``forward`` defaults to the Megatron one."""
+    from autocompress_nemo.evaluate.lm_eval_adapter import run_lm_eval
+    from autocompress_nemo.evaluate.stdlib_task import TASK, write_task
+
+    ev = ctx.cfg.evaluate
+    tasks = [str(t) for t in ev.lm_eval_tasks]
+    if not tasks:
+        return {}
+    include = str(ev.lm_eval_include) or None
+    if TASK in tasks:
+        task_dir = Path(str(ctx.cfg.run_dir)) / "lm_eval_tasks"
+        if not (task_dir / f"{TASK}.yaml").is_file():
+            write_task(task_dir, [d.text for d in ctx.data.heldout_docs], int(ev.lm_eval_items), int(ctx.cfg.seed))
+        include = str(task_dir) if include is None else include
+        if include != str(task_dir):
+            raise ValueError("evaluate.lm_eval_include and the generated stdlib_next_line task need one directory")
+    res = run_lm_eval(
+        model,
+        forward or ctx.forward,
+        ctx.tokenizer,
+        tasks,
+        include_path=include,
+        limit=int(ev.lm_eval_limit) or None,
+        seed=int(ctx.cfg.seed),
+    )
+    return res.get("results", {})
+
+
+def run(
+    ctx: Context,
+    out: Path,
+    profile: ProfileDir,
+    validation: ValidateDir | None,
+    students: dict[str, Path],
+    extracted: dict[str, Path] | None = None,
+    exports: dict[str, Path] | None = None,
+) -> None:
+    """Accuracy on held-out text and costs measured in the target's engine, against the budgets,
+    next to the predictions — for the parent and every student, measured in one interleaved session.
+    A student exported as a GGUF file also gets its held-out perplexity measured on that file in
+    llama.cpp, next to the PyTorch figure."""
+    from autocompress_nemo.costs.engines import get_engine
+    from autocompress_nemo.costs.engines.base import Workload
+    from autocompress_nemo.costs.predictor import Predictor
+
+    cfg = ctx.cfg
+    pspec, psd, _ = ctx.parent
+    predictor = Predictor(load_table(ctx, profile.table), cfg.target)
+    budget, how = budgets(ctx, predictor, pspec, validation)
+    models: dict[str, tuple[ArchSpec, dict[str, torch.Tensor]]] = {"parent": (pspec, psd)}
+    for name, d in students.items():
+        models[name] = load_weights(d)
+    results: dict[str, Any] = {"budgets": budget, "budget_reference": how, "models": {}}
+    for name, (spec, sd) in models.items():
+        ctx.say(f"[evaluate] {name}: held-out perplexity")
+        acc = heldout_perplexity(ctx, spec, sd)
+        results["models"][name] = {
+            "spec": spec.to_dict(),
+            "pattern": spec.pattern,
+            "params": param_count(spec),
+            "accuracy": acc,
+            "predicted": numbers(predictor.predict(spec)),
+        }
+    # the architectures alone: extracted students before any recovery (held-out loss only)
+    results["before_recovery"] = {}
+    for name, d in (extracted or {}).items():
+        if d in students.values():
+            continue
+        spec, sd = load_weights(d)
+        ctx.say(f"[evaluate] {name} before recovery: held-out perplexity")
+        results["before_recovery"][name] = heldout_perplexity(ctx, spec, sd, lm_eval=False)
+    from autocompress_nemo.pipeline import is_rank0
+
+    if not is_rank0():  # engine timings run once (rank 0): concurrent copies would disturb each other
+        return
+    for name, d in (exports or {}).items():
+        files = ExportDir(d).ggufs()
+        if not files or name not in results["models"]:
+            continue
+        from autocompress_nemo.export.parity import gguf_heldout
+
+        ev = ctx.cfg.evaluate
+        ctx.say(f"[evaluate] {name}: held-out perplexity of the exported {files[0].name} in llama.cpp")
+        on_file = gguf_heldout(files[0], ctx.heldout_batches(2, int(ev.seq_len), int(ev.heldout_batches)))
+        torch_ppl = results["models"][name]["accuracy"]["heldout_ppl"]
+        on_file.update(
+            file=files[0].name,
+            measured_by=f"llama.cpp (llama-cpp-python {_llama_cpp_version()}) on this CPU, F32 KV cache",
+            rel_diff_vs_pytorch=on_file["heldout_ppl"] / torch_ppl - 1.0,
+        )
+        ctx.say(f"[evaluate] {name}: lm-eval on the exported {files[0].name} in llama.cpp")
+        on_file["lm_eval"] = lm_eval_scores(ctx, GgufModel(files[0]), gguf_forward)
+        results["models"][name]["accuracy_exported"] = on_file
+    engine = get_engine(cfg.target, workdir=out / "engine_work")
+    wl = Workload.from_config(cfg.target.workload)
+    specs = [models[n][0].replace(name=n) for n in models]
+    if engine.estimated:
+        ctx.say("[evaluate] the target's engine is an analytic estimate: costs are estimated, not measured")
+    measured = engine.measure_many(specs, wl, log=lambda m: ctx.say(f"[evaluate] {m}"))
+    label = f"{engine.name} {engine.version()} on {engine.device()}" + (
+        " (estimated, not measured)" if engine.estimated else ""
+    )
+    for n, m in zip(models, measured, strict=True):
+        meas = measured_metrics(m, wl, models[n][0])
+        r = results["models"][n]
+        r["measured"] = meas
+        r["measured_memory"] = m.memory
+        r["measured_by"] = label
+        r["spread"] = m.spread
+        r["budget_check"] = {
+            k: {"budget": b, "measured": meas[k], "predicted": r["predicted"].get(k), "pass": bool(meas[k] <= b)}
+            for k, b in budget.items()
+        }
+    import shutil
+
+    shutil.rmtree(out / "engine_work", ignore_errors=True)
+    write_json_atomic(EvaluateDir(out).evaluation, results)
+    for n, r in results["before_recovery"].items():
+        ctx.say(f"[evaluate] {n} before recovery: ppl {r['heldout_ppl']:.3f} KD to parent {r['kd_to_parent']:.4f}")
+    for n, r in results["models"].items():
+        on_file = r.get("accuracy_exported")
+        ctx.say(
+            f"[evaluate] {n}: ppl {r['accuracy']['heldout_ppl']:.3f}"
+            + (f" (exported file in llama.cpp: {on_file['heldout_ppl']:.3f})" if on_file else "")
+            + f" params {r['params']:,} "
+            + " ".join(
+                f"{k} {c['measured']:.4g}/{c['budget']:.4g} {'PASS' if c['pass'] else 'FAIL'}"
+                for k, c in r["budget_check"].items()
+            )
+        )
+
+
+def _llama_cpp_version() -> str:
+    from importlib.metadata import version
+
+    return version("llama-cpp-python")

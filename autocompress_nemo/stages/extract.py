@@ -1,0 +1,71 @@
+"""extract_<method>: the chosen architecture sliced from the sorted **parent** weights (every model
+family), checked against the child the search judged (same KD on the same batches) before any
+training, written as weights (``ExtractDir``) and a Hugging Face directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from autocompress_nemo.arch.counts import param_count
+from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.context import Context, load_weights, read_json, save_weights
+from autocompress_nemo.stages.common import JUDGE_READS, judge_batches
+from autocompress_nemo.stages.declare import LAYOUT, PARENT, Stage, reads
+from autocompress_nemo.stages.layout import ExtractDir, RankDir, SearchDir
+from autocompress_nemo.utils.artifacts import write_json_atomic
+
+STAGE = Stage("extract", reads=reads(PARENT, LAYOUT, JUDGE_READS), needs=("rank", "search"), per_method=True)
+
+
+def run(ctx: Context, out: Path, rank: RankDir, search: SearchDir) -> None:
+    from autocompress_nemo.extract.slice import slice_state_dict
+
+    spec, sd = load_weights(rank.dir)
+    rec = read_json(search.arch)
+    child = ArchSpec.from_dict(rec["child"])
+    child_sd = slice_state_dict(spec, sd, child)
+    guard = rec.get("quality_guard")
+    if guard and guard.get("judge") == "kd" and child != spec:
+        guard["sliced_kd"] = sliced_kd(ctx, spec, sd, child, child_sd)
+        ref = float(guard["final_kd"])
+        ctx.say(f"[extract] KD of the sliced student {guard['sliced_kd']:.4f} (the search judged {ref:.4f})")
+        if abs(guard["sliced_kd"] - ref) > 0.02 * abs(ref) + 1e-3:
+            raise ValueError(
+                f"the sliced student's KD to the parent ({guard['sliced_kd']:.4f}) differs from the child the search "
+                f"judged ({ref:.4f}) on the same batches: slicing and the supernet disagree; not training it"
+            )
+    art = ExtractDir(out)
+    save_weights(out, child, child_sd)
+    write_json_atomic(art.arch, rec)
+    ctx.export_hf(child, child_sd, art.hf)
+    from autocompress_nemo.stages.search import describe
+
+    shape = child.pattern if child.is_dense_layered() else describe(child)
+    ctx.say(
+        f"[extract] {shape}: {param_count(child):,} parameters "
+        f"({param_count(child) / param_count(spec):.1%} of the parent)"
+    )
+
+
+def sliced_kd(
+    ctx: Context, spec: ArchSpec, sd: dict[str, torch.Tensor], child: ArchSpec, child_sd: dict[str, torch.Tensor]
+) -> float:
+    """KD loss to the sorted parent of the sliced student on the search judge's calibration batches
+    (``stages.search.settle_choices``): the number the quality guard judged, recomputed on the real child."""
+    from autocompress_nemo.distill.kd import kd_loss
+    from autocompress_nemo.distill.optim import Parallel
+    from autocompress_nemo.search.autocompress import _local_rows
+    from autocompress_nemo.search.judge import world_mean
+
+    s, par = ctx.cfg.search, Parallel.detect()
+    teacher, student = ctx.model(spec, sd), ctx.model(child, child_sd)
+    teacher.eval()
+    student.eval()
+    vals = []
+    with torch.no_grad():
+        for b in judge_batches(ctx):
+            x = _local_rows(b, par)
+            vals.append(float(kd_loss(ctx.forward(student, x), ctx.forward(teacher, x), float(s.kd_temperature))))
+    return world_mean(sum(vals) / len(vals))

@@ -1,0 +1,75 @@
+"""report: ``report.md`` / ``report.json`` and the plots, read back from the run's artifacts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from autocompress_nemo.context import Context, read_json
+from autocompress_nemo.stages.common import METHODS
+from autocompress_nemo.stages.declare import Stage
+from autocompress_nemo.stages.layout import DistillDir, EvaluateDir, ProfileDir, SearchDir, ValidateDir
+
+STAGE = Stage("report", reads=("target",), needs=("profile", "validate", "search", "distill", "evaluate"))
+"""Not cached: it is rewritten at the end of every run from the artifacts."""
+
+
+def run(ctx: Context, run_: Any, methods: list[str], validation: ValidateDir | None) -> Path:
+    """``report.md`` / ``report.json`` and the plots in the run directory."""
+    from autocompress_nemo.report import write_report
+
+    results = collect_results(ctx, run_, methods, validation)
+    write_report(run_.dir, results)
+    return run_.dir / "report.md"
+
+
+def collect_results(ctx: Context, run_: Any, methods: list[str], validation: ValidateDir | None) -> dict[str, Any]:
+    """Everything the report shows, read back from the artifacts of this run."""
+    from autocompress_nemo.utils.artifacts import read_manifest
+
+    d = run_.dir
+    evaluation = EvaluateDir(d / "evaluate").evaluation
+    ev = read_json(evaluation) if evaluation.is_file() else {}
+    table = ProfileDir(d / "profile").table
+    prov = read_json(table).get("provenance", {}) if table.is_file() else {}
+    eng = ctx.cfg.target.engine
+    engine = {
+        "name": str(eng.name),
+        "dtype": str(prov.get("dtype") or eng.get("dtype", "")),
+        # the version the cost table measured (the config's `version` is usually left empty)
+        "version": str(prov.get("engine_version") or eng.get("version") or ""),
+    }
+    res: dict[str, Any] = {
+        "target": {
+            "name": str(ctx.cfg.target.name),
+            "description": str(ctx.cfg.target.get("description", "")),
+            "engine": engine,
+            "hardware": str(ctx.cfg.target.hardware.name),
+            "workload": dict(ctx.cfg.target.workload),
+        },
+        "budgets": ev.get("budgets", {}),
+        "budget_reference": ev.get("budget_reference", ""),
+        "models": ev.get("models", {}),
+        "methods": {},
+        "stages_wall_s": {},
+        "before_recovery": ev.get("before_recovery", {}),
+    }
+    for m in methods:
+        found = SearchDir(d / f"search_{m}")
+        if found.arch.is_file():
+            rec = read_json(found.arch)
+            dist = DistillDir(d / f"distill_{m}").record
+            res["methods"][m] = {
+                "label": METHODS.get(m, m),
+                "arch": rec,
+                "trajectory": read_json(found.trajectory),
+                "selection_tokens": rec.get("selection_tokens", 0),
+                "recovery_tokens": read_json(dist).get("tokens", 0) if dist.is_file() else 0,
+            }
+    if validation is not None and validation.validation.is_file():
+        res["validation"] = read_json(validation.validation)["summary"]
+    for p in sorted(d.iterdir()):
+        m = read_manifest(p) if p.is_dir() else None
+        if m:
+            res["stages_wall_s"][p.name] = m.get("wall_s")
+    return res

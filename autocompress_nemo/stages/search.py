@@ -1,0 +1,366 @@
+"""search_<method>: the architecture (``SearchDir.arch``) chosen by the router (AutoCompress) or the
+Minitron++ enumeration under the budgets, settled by repair / grow / quality guard (judged by the KD
+loss of the supernet child) and checked in the target's engine before any weights are sliced."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autocompress_nemo.arch.counts import param_count
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MoeBlock
+from autocompress_nemo.context import Context, load_weights, read_json
+from autocompress_nemo.stages.common import (
+    METHODS,
+    budgets,
+    judge_batches,
+    load_table,
+    measured_metrics,
+    search_capabilities,
+)
+from autocompress_nemo.stages.declare import DATA, LAYOUT, PARENT, Stage, reads
+from autocompress_nemo.stages.layout import ProfileDir, RankDir, SearchDir, ValidateDir
+from autocompress_nemo.utils.artifacts import write_json_atomic
+
+STAGE = Stage(
+    "search",
+    reads=reads(PARENT, LAYOUT, DATA, "target", "search"),
+    needs=("rank", "profile", "validate"),
+    per_method=True,
+)
+
+
+def run(
+    ctx: Context,
+    out: Path,
+    method: str,
+    rank: RankDir,
+    profile: ProfileDir,
+    validation: ValidateDir | None,
+    ckpt_dir: Path,
+) -> None:
+    """Choose the architecture (``arch.json``) with the router or the Minitron++ enumeration."""
+    from autocompress_nemo.extract.repair import option_importance
+
+    spec, sd = load_weights(rank.dir)
+    if spec.is_dense_layered():
+        from autocompress_nemo.rank.importance import Importance
+        from autocompress_nemo.rank.reorder import Permutations, sorted_importance
+
+        imp = sorted_importance(
+            Importance.from_dict(read_json(rank.scores)), Permutations.from_dict(read_json(rank.permutations))
+        )
+
+        def importance(ds: list) -> list[list[float]]:
+            return option_importance(ds, imp)
+
+        describe_fn: Any = lambda a: a.pattern  # noqa: E731
+    else:  # MoE / Mamba hybrids: the summed sorted scores each option keeps
+        from autocompress_nemo.rank.moe_mamba import MoeMambaImportance
+
+        himp = MoeMambaImportance.from_dict(read_json(rank.sorted_scores))
+
+        def importance(ds: list) -> list[list[float]]:
+            return option_importance(ds, himp)
+
+        describe_fn = describe
+    search_core(ctx, out, method, spec, sd, importance, profile.table, validation, ckpt_dir, describe=describe_fn)
+
+
+class _Costs:
+    """The predictor restricted to the budget's metrics (the router's differentiable face)."""
+
+    def __init__(self, predictor: Any, metrics: tuple[str, ...]):
+        self.p, self.metrics = predictor, metrics
+
+    def predict(self, spec: ArchSpec) -> dict[str, float]:
+        return self.p.predict(spec)
+
+    def expected(self, options: list, probs: list, spec: ArchSpec) -> dict[str, torch.Tensor]:
+        return self.p.expected(options, probs, spec, metrics=self.metrics)
+
+
+def search_core(
+    ctx: Context,
+    out: Path,
+    method: str,
+    spec: ArchSpec,
+    sd: dict[str, torch.Tensor],
+    option_importance: Any,
+    table_path: Path,
+    validation: ValidateDir | None,
+    ckpt_dir: Path,
+    describe: Any,
+) -> None:
+    """The search of every model family: budgets, space, router or Minitron++, repair/grow, ``arch.json``.
+
+    ``option_importance(decisions)`` gives the importance kept by every option (for repair/grow);
+    ``describe(spec)`` a one-line shape for the log."""
+    from autocompress_nemo.costs.predictor import Predictor
+    from autocompress_nemo.extract.archjson import arch_record
+    from autocompress_nemo.search.autocompress import SearchOutcome, check_budget_reachable, run_router_search
+    from autocompress_nemo.search.minitron import run_minitron_pp
+    from autocompress_nemo.search.space import apply_choices, build_space
+
+    cfg, s = ctx.cfg, ctx.cfg.search
+    predictor = Predictor(load_table(ctx, table_path), cfg.target)
+    budget, how = budgets(ctx, predictor, spec, validation)
+    costs = _Costs(predictor, tuple(budget))
+    decisions = build_space(spec, search_capabilities(cfg), int(s.ffn_options))
+    ctx.say(
+        f"[search:{method}] {describe(spec)}: budgets {budget} (relative ones against the {how} parent); "
+        f"{len(decisions)} decisions ({', '.join(sorted({d.kind for d in decisions}))}), "
+        f"{sum(len(d.options) for d in decisions)} options"
+    )
+    verdict = check_budget_reachable(spec, decisions, costs, budget)
+    model: torch.nn.Module | None = None
+    if verdict == "parent":
+        ctx.say(f"[search:{method}] the parent already meets every budget: returning the parent")
+        outcome = SearchOutcome(
+            [d.parent_option for d in decisions],
+            [[float(k == d.parent_option) for k in range(len(d.options))] for d in decisions],
+        )
+    else:
+        model = ctx.model(spec, sd)
+        seq, bs = int(s.seq_len), int(s.batch_size)
+
+        def batch_at(step: int) -> torch.Tensor:
+            return ctx.batch_at("train", step, bs, seq, seed_offset=17)
+
+        if method == "autocompress":
+            outcome = run_router_search(
+                model,
+                spec,
+                decisions,
+                costs,
+                budget,
+                batch_at,
+                ctx.forward,
+                s,
+                seed=int(cfg.seed),
+                checkpoint=str(ckpt_dir / "router.pt"),
+                log=ctx.say,
+                router_init=str(s.get("router_init", "uniform")),
+            )
+        else:
+            outcome = run_minitron_pp(
+                model,
+                spec,
+                decisions,
+                costs,
+                budget,
+                batch_at,
+                ctx.forward,
+                s,
+                log=ctx.say,
+                fresh_model=lambda: ctx.model(spec, sd),
+            )
+    final, settler, verified = settle_choices(
+        ctx,
+        out,
+        method,
+        spec,
+        decisions,
+        outcome,
+        costs,
+        budget,
+        lambda: option_importance(decisions),
+        model,
+    )
+    r_steps, g_steps = settler.repair_steps, settler.grow_steps
+    child = apply_choices(spec, decisions, final).replace(name=f"{spec.name}-{method}")
+    pred = predictor.predict(child)
+    rec = arch_record(
+        method,
+        spec,
+        child,
+        decisions,
+        outcome.probs,
+        outcome.choices,
+        final,
+        pred,
+        predictor.predict(spec),
+        budget,
+        outcome.tokens,
+        r_steps,
+        g_steps,
+        predictor.table.label,
+    )
+    rec.update(budget_reference=how, params=param_count(child), search_wall_s=round(outcome.wall_s, 2))
+    if verified:
+        rec["verified_in_engine"] = verified
+    if settler.guards:
+        rec["quality_guard"] = settler.guards[-1]
+        rec["quality_guards"] = settler.guards
+    rec["judge"] = {
+        "kind": settler.judge.label,
+        "calls": int(getattr(settler.judge, "calls", 0)),
+        "tokens": int(getattr(settler.judge, "tokens", 0)),
+    }
+    if method == "minitron_pp" and hasattr(outcome, "record"):  # Minitron++'s depth axis (search/minitron.py)
+        rec["minitron"] = outcome.record()
+    art = SearchDir(out)
+    write_json_atomic(art.arch, rec)
+    write_json_atomic(art.trajectory, outcome.trajectory)
+    _plot_trajectory(outcome.trajectory, art.trajectory_plot, method)
+    ctx.say(
+        f"[search:{method}] chose {describe(child)} params {param_count(child):,} predicted "
+        + ", ".join(f"{m}={pred[m]:.4g}/{b:.4g}" for m, b in budget.items())
+    )
+
+
+def _plot_trajectory(traj: list[dict], path: Path, method: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not traj or "step" not in traj[0]:
+        fig, ax = plt.subplots(figsize=(5, 3))
+        ax.bar(range(len(traj)), [r.get("kd", 0.0) for r in traj])
+        ax.set_title(f"{METHODS.get(method, method)}: KD loss per scored candidate")
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        return
+    steps = [r["step"] for r in traj]
+    metrics = [k[len("expected_") :] for k in traj[0] if k.startswith("expected_")]
+    fig, axes = plt.subplots(1, 2 + len(metrics), figsize=(4 * (2 + len(metrics)), 3))
+    axes[0].plot(steps, [r["kd"] for r in traj])
+    axes[0].set_title("KD loss")
+    axes[1].plot(steps, [r["entropy"] for r in traj])
+    axes[1].set_title("choice entropy")
+    for ax, m in zip(axes[2:], metrics, strict=True):
+        ax.plot(steps, [r[f"expected_{m}"] for r in traj], label="expected (predicted)")
+        ax.axhline(traj[0][f"budget_{m}"], color="r", ls="--", label="budget")
+        ax.set_title(m)
+        ax.legend(fontsize=7)
+    for ax in axes:
+        ax.set_xlabel("step")
+    fig.suptitle(f"{METHODS.get(method, method)} search trajectory (costs estimated by the cost table)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def settle_choices(
+    ctx: Context,
+    out: Path,
+    method: str,
+    spec: ArchSpec,
+    decisions: list,
+    outcome: Any,
+    costs: Any,
+    budget: dict[str, float],
+    importance: Any,
+    model: torch.nn.Module | None,
+) -> tuple[list[int], Any, list[dict[str, Any]]]:
+    """Repair / grow / quality guard of the search's choice, judged by ``search.judge`` (the KD
+    loss of the supernet child by default), then the engine check (``verify_measured``)."""
+    from autocompress_nemo.search.judge import ProxyJudge, make_judge
+    from autocompress_nemo.search.settle import Settler
+
+    s = ctx.cfg.search
+    if model is None:  # the parent already meets the budget: nothing to judge but the proxy
+        judge: Any = ProxyJudge(importance())
+    else:
+        judge = make_judge(
+            str(s.judge),
+            importance=importance,
+            model=lambda: model,
+            parent=spec,
+            decisions=decisions,
+            batches=lambda: judge_batches(ctx),
+            forward=ctx.forward,
+            temperature=float(s.kd_temperature),
+        )
+    traj = [r for r in getattr(outcome, "trajectory", []) if "step" in r]
+    tail = traj[-max(1, len(traj) // 10) :] if method == "autocompress" and traj else []
+    settler = Settler(
+        spec,
+        decisions,
+        costs.predict,
+        judge,
+        grow_threshold=float(s.grow_threshold) if method == "autocompress" and model is not None else None,
+        guard_factor=float(s.guard_factor),
+        router_kd=(sum(float(r["kd"]) for r in tail) / len(tail)) if tail else None,
+        origin=list(outcome.choices) if tail else None,
+        log=ctx.say,
+    )
+    try:
+        final = settler(list(outcome.choices), budget, guard=model is not None)
+        final, verified = verify_measured(ctx, out, spec, decisions, final, costs, budget, settler)
+    finally:
+        if hasattr(judge, "close"):
+            judge.close()
+    return final, settler, verified
+
+
+def verify_measured(
+    ctx: Context,
+    out: Path,
+    parent: ArchSpec,
+    decisions: list,
+    choices: list[int],
+    costs: Any,
+    budget: dict[str, float],
+    settle: Any,
+    engine: Any = None,
+) -> tuple[list[int], list[dict[str, Any]]]:
+    """The engine check before any weights are sliced (``search/settle.verify_measured``) in the
+    target's engine (or ``engine``): measured engines only (an analytic one has nothing to add);
+    timing runs on rank 0 and its result is broadcast, so every rank makes the same choices."""
+    from autocompress_nemo.costs.engines import get_engine
+    from autocompress_nemo.costs.engines.base import Workload
+    from autocompress_nemo.pipeline import is_rank0
+    from autocompress_nemo.search.settle import verify_measured as verify
+
+    rounds = int(ctx.cfg.search.verify_rounds)
+    engine = engine if engine is not None else get_engine(ctx.cfg.target, workdir=out / "verify_engine")
+    if rounds <= 0 or engine.estimated:
+        return choices, []
+    wl = Workload.from_config(ctx.cfg.target.workload)
+
+    def measure(child: ArchSpec) -> dict[str, float]:
+        meas = [measured_metrics(engine.measure_many([child], wl)[0], wl, child) if is_rank0() else None]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(meas, src=0)
+        return meas[0]  # type: ignore[return-value]
+
+    try:
+        return verify(
+            parent,
+            decisions,
+            choices,
+            costs.predict,
+            budget,
+            settle,
+            measure,
+            rounds,
+            grow_threshold=getattr(settle, "grow_threshold", None),
+            engine_name=str(engine.name),
+            log=ctx.say,
+        )
+    finally:
+        import shutil
+
+        shutil.rmtree(out / "verify_engine", ignore_errors=True)
+
+
+def describe(spec: ArchSpec) -> str:
+    """Per-block shapes in one line (experts x width (top-k) + shared; Mamba heads/groups)."""
+    out = []
+    for b in spec.blocks:
+        if b.removed:
+            out.append(f"{b.kind}:removed")
+        elif isinstance(b, MoeBlock):
+            out.append(f"E{b.num_experts}x{b.expert_ffn}k{b.top_k}+s{b.shared_ffn}")
+        elif isinstance(b, MambaBlock):
+            out.append(f"M{b.num_heads}h{b.num_groups}g")
+        elif isinstance(b, AttentionBlock):
+            out.append(f"A{b.num_heads}h{b.num_kv_groups}kv")
+        else:
+            out.append(f"F{b.ffn}")
+    return " ".join(out)
