@@ -58,7 +58,8 @@ from pathlib import Path
 from typing import Any
 
 from autocompress_nemo.report.plots import write_plots
-from autocompress_nemo.report.tables import MODEL_ORDER, normalize, render_markdown
+from autocompress_nemo.report.sections import render_markdown
+from autocompress_nemo.report.tables import MODEL_ORDER, normalize
 from autocompress_nemo.utils.artifacts import write_json_atomic, write_text_atomic
 
 
