@@ -26,52 +26,23 @@ from collections.abc import Callable
 from typing import Any
 
 from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.blocks import kind_of
 from autocompress_nemo.search.space import Decision, apply_choices
 
 Predict = Callable[[ArchSpec], dict[str, float]]
 
 
 def option_importance(decisions: list[Decision], sorted_imp: Any) -> list[list[float]]:
-    """Summed sorted-parent scores kept by every option of every decision (a removed option keeps 0):
-    the first ``E'`` experts' first ``F'`` neurons, the first shared / MLP neurons, the first Mamba
-    heads, the heads ``extract.slice.kept_heads`` keeps. ``sorted_imp``: the rank stage's sorted
-    scores (``rank.importance.Importance`` per layer or ``rank.moe_mamba.MoeMambaImportance`` per
-    block)."""
-    from autocompress_nemo.extract.slice import kept_heads
-
+    """Summed sorted-parent scores kept by every option of every decision (a removed option keeps 0;
+    what an option keeps: its block kind's ``kept_importance``, ``blocks/``). ``sorted_imp``: the
+    rank stage's sorted scores (``rank.importance.Importance`` per layer or
+    ``rank.moe_mamba.MoeMambaImportance`` per block)."""
     per_block = hasattr(sorted_imp, "blocks")
     out = []
     for d in decisions:
         s = sorted_imp.blocks[d.block_index] if per_block else sorted_imp.layers[d.block_index // 2]
-
-        def need(name: str, d: Decision = d, s: Any = s) -> Any:
-            v = getattr(s, name, None)
-            if v is None:
-                raise ValueError(
-                    f"block {d.block_index} ({d.kind} decision): the rank artifact has no {name!r} "
-                    "scores; it was written by an older build: delete the rank stage's directory and run again"
-                )
-            return v
-
-        row = []
-        for o in d.options:
-            if o.removed:
-                row.append(0.0)
-            elif d.kind == "attention":
-                heads = need("heads")
-                parent_hpg = len(heads) // d.options[-1].num_kv_groups  # type: ignore[union-attr]  (last = parent's)
-                row.append(float(heads[kept_heads(parent_hpg, o.num_kv_groups, o.heads_per_group)].sum()))  # type: ignore[union-attr]
-            elif d.kind == "mlp":
-                row.append(float(need("ffn")[: o.ffn].sum()))  # type: ignore[union-attr]
-            elif d.kind == "moe_routed":
-                row.append(float(need("expert_ffn")[: o.num_experts, : o.expert_ffn].sum()))  # type: ignore[union-attr]
-            elif d.kind == "moe_shared":
-                row.append(float(need("shared_ffn")[: o.shared_ffn].sum()))  # type: ignore[union-attr]
-            elif d.kind == "mamba":
-                row.append(float(need("mamba_heads")[: o.num_heads].sum()))  # type: ignore[union-attr]
-            else:
-                raise ValueError(f"block {d.block_index}: no importance for decisions of kind {d.kind!r}")
-        out.append(row)
+        k = kind_of(d)
+        out.append([0.0 if o.removed else k.kept_importance(d, o, s) for o in d.options])
     return out
 
 

@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.blocks import kind_of
+from autocompress_nemo.blocks.attention import kept_heads
 
-
-def kept_heads(parent_hpg: int, groups: int, heads_per_group: int) -> torch.Tensor:
-    """Indices of the parent's query heads a child (G', H'/G') keeps: the first ``heads_per_group``
-    of each of the first ``groups`` KV groups (the one rule; the supernet masks and the importance
-    of an attention option use it too)."""
-    return torch.tensor([g * parent_hpg + r for g in range(groups) for r in range(heads_per_group)], dtype=torch.long)
+__all__ = ["check_child", "kept_heads", "slice_state_dict"]
 
 
 def check_child(parent: ArchSpec, child: ArchSpec) -> None:
@@ -43,54 +40,10 @@ def check_child(parent: ArchSpec, child: ArchSpec) -> None:
             continue
         if p.kind != c.kind:
             problems.append(f"block {i}: kind {c.kind} != parent's {p.kind}")
-        elif isinstance(c, AttentionBlock) and isinstance(p, AttentionBlock):
-            if c.num_kv_groups > p.num_kv_groups or c.heads_per_group > p.heads_per_group or c.head_dim != p.head_dim:
-                problems.append(f"block {i}: attention {c} is not a prefix of the parent's {p}")
-        elif isinstance(c, MlpBlock) and isinstance(p, MlpBlock) and c.ffn > p.ffn:
-            problems.append(f"block {i}: ffn {c.ffn} > parent's {p.ffn}")
-        elif (
-            isinstance(c, MoeBlock)
-            and isinstance(p, MoeBlock)
-            and (
-                c.num_experts > p.num_experts
-                or c.expert_ffn > p.expert_ffn
-                or c.shared_ffn > p.shared_ffn
-                or (c.num_experts and c.latent != p.latent)
-                or c.activation != p.activation
-            )
-        ):
-            problems.append(f"block {i}: MoE {c} is not a prefix of {p}")
-        elif isinstance(c, MambaBlock) and isinstance(p, MambaBlock):
-            hpg = p.num_heads // p.num_groups
-            if (
-                (c.head_dim, c.state_size, c.conv_kernel) != (p.head_dim, p.state_size, p.conv_kernel)
-                or c.num_heads > p.num_heads
-                or c.num_heads != c.num_groups * hpg
-            ):
-                problems.append(f"block {i}: Mamba {c} must keep whole groups of {hpg} heads of {p}")
+        elif why := kind_of(c).prefix_problem(p, c):
+            problems.append(f"block {i}: {why}")
     if problems:
         raise ValueError("child architecture is not a sub-network of the parent: " + "; ".join(problems))
-
-
-def _mamba_rows(p: MambaBlock, c: MambaBlock, conv: bool) -> torch.Tensor:
-    """Rows of ``in_proj`` (``[z; x; B; C; dt]``) or the conv (``[x; B; C]``) that the child keeps."""
-    di, gn = p.d_inner, p.num_groups * p.state_size
-    dk, gk = c.d_inner, c.num_groups * c.state_size
-    ar = torch.arange
-    if conv:
-        return torch.cat([ar(dk), di + ar(gk), di + gn + ar(gk)])
-    return torch.cat([ar(dk), di + ar(dk), 2 * di + ar(gk), 2 * di + gn + ar(gk), 2 * di + 2 * gn + ar(c.num_heads)])
-
-
-def _slice_block(p: object, c: object, role: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    if isinstance(p, AttentionBlock) and isinstance(c, AttentionBlock) and role in ("q", "q_bias", "o"):
-        heads = kept_heads(p.heads_per_group, c.num_kv_groups, c.heads_per_group)
-        rows = (heads[:, None] * p.head_dim + torch.arange(p.head_dim)).reshape(-1)
-        return t[:, rows] if role == "o" else t[rows]
-    if isinstance(p, MambaBlock) and isinstance(c, MambaBlock) and role in ("in_proj", "conv_w", "conv_b"):
-        return t[_mamba_rows(p, c, conv=role != "in_proj")]
-    # every other role is a prefix along each dimension (routed experts by index, kept by the caller)
-    return t[tuple(slice(0, n) for n in shape)]
 
 
 def slice_state_dict(parent: ArchSpec, sorted_sd: dict[str, torch.Tensor], child: ArchSpec) -> dict[str, torch.Tensor]:
@@ -109,7 +62,7 @@ def slice_state_dict(parent: ArchSpec, sorted_sd: dict[str, torch.Tensor], child
             key = names.key(i, role, expert)
             if key not in sorted_sd:
                 raise KeyError(f"sorted parent state dict has no {key!r} (block {i}, role {role}); is it the parent's?")
-            t = _slice_block(parent.blocks[i], c, role, sorted_sd[key], shape)
+            t = kind_of(c).slice(parent.blocks[i], c, role, sorted_sd[key], shape)
             if tuple(t.shape) != shape:
                 raise ValueError(f"{key}: sliced shape {tuple(t.shape)} != child shape {shape}")
             out[key] = t.contiguous().clone()

@@ -58,27 +58,10 @@ from typing import Any
 
 import torch
 
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.arch.spec import ArchSpec, MoeBlock
+from autocompress_nemo.blocks import Decision, kind_of
 from autocompress_nemo.distributed.state import tensor_parallel
 from autocompress_nemo.models.megatron import block_layers
-from autocompress_nemo.search.space import Decision
-
-
-def _head_or_neuron_masks(decision: Decision, parent_block: AttentionBlock | MlpBlock) -> torch.Tensor:
-    """``[K, D]`` keep-indicators of every option over the parent's (sorted) query heads / neurons."""
-    from autocompress_nemo.extract.slice import kept_heads
-
-    rows = []
-    for o in decision.options:
-        if isinstance(parent_block, AttentionBlock):
-            assert isinstance(o, AttentionBlock)
-            row = torch.zeros(parent_block.num_heads)
-            row[kept_heads(parent_block.heads_per_group, o.num_kv_groups, o.heads_per_group)] = 1.0
-        else:
-            assert isinstance(o, MlpBlock)
-            row = (torch.arange(parent_block.ffn) < o.ffn).float()
-        rows.append(row)
-    return torch.stack(rows)
 
 
 def _tp() -> tuple[int, int]:
@@ -86,38 +69,9 @@ def _tp() -> tuple[int, int]:
     return rank, world
 
 
-def _prefix(n: int, keep: list[int]) -> torch.Tensor:
-    j = torch.arange(n)
-    return torch.stack([(j < k).float() for k in keep])
-
-
 def option_masks(d: Decision, parent: ArchSpec) -> dict[str, torch.Tensor]:
-    """``{mask name: [K, D]}`` keep-indicators of every option of ``d`` (prefixes of the sorted parent)."""
-    pb = parent.blocks[d.block_index]
-    if d.kind in ("attention", "mlp"):
-        assert isinstance(pb, AttentionBlock | MlpBlock)
-        return {"out": _head_or_neuron_masks(d, pb)}
-    if d.kind == "mamba":
-        assert isinstance(pb, MambaBlock)
-        return {"out": _prefix(pb.num_heads, [o.num_heads for o in d.options])}  # type: ignore[union-attr]
-    assert isinstance(pb, MoeBlock)
-    if d.kind == "moe_shared":
-        return {"shared": _prefix(pb.shared_ffn, [o.shared_ffn for o in d.options])}  # type: ignore[union-attr]
-    if d.kind == "moe_routed":
-        ks = sorted({o.top_k for o in d.options if o.num_experts})  # type: ignore[union-attr]
-        topk = torch.stack(
-            [
-                torch.tensor([float(o.num_experts and o.top_k == k) for k in ks])  # type: ignore[union-attr]
-                for o in d.options
-            ]
-        )
-        return {
-            "experts": _prefix(pb.num_experts, [o.num_experts for o in d.options]),  # type: ignore[union-attr]
-            "expert_ffn": _prefix(pb.expert_ffn, [o.expert_ffn for o in d.options]),  # type: ignore[union-attr]
-            "topk": topk,
-            "topk_values": torch.tensor(ks, dtype=torch.float32).unsqueeze(0),
-        }
-    raise ValueError(f"decision kind {d.kind!r} has no supernet mask")
+    """``{mask name: [K, D]}`` keep-indicators of every option of ``d`` (its block kind's, ``blocks/``)."""
+    return kind_of(d).masks(d, parent.blocks[d.block_index])
 
 
 class Supernet:

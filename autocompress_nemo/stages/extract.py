@@ -10,6 +10,7 @@ import torch
 
 from autocompress_nemo.arch.counts import param_count
 from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.blocks import describe
 from autocompress_nemo.context import Context, load_weights, read_json, save_weights
 from autocompress_nemo.stages.common import JUDGE_READS, judge_batches
 from autocompress_nemo.stages.declare import LAYOUT, PARENT, Stage, reads
@@ -40,11 +41,8 @@ def run(ctx: Context, out: Path, rank: RankDir, search: SearchDir) -> None:
     save_weights(out, child, child_sd)
     write_json_atomic(art.arch, rec)
     ctx.export_hf(child, child_sd, art.hf)
-    from autocompress_nemo.stages.search import describe
-
-    shape = child.pattern if child.is_dense_layered() else describe(child)
     ctx.say(
-        f"[extract] {shape}: {param_count(child):,} parameters "
+        f"[extract] {describe(child)}: {param_count(child):,} parameters "
         f"({param_count(child) / param_count(spec):.1%} of the parent)"
     )
 

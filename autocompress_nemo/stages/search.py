@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from autocompress_nemo.arch.counts import param_count
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MoeBlock
+from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.blocks import describe
 from autocompress_nemo.context import Context, load_weights, read_json
 from autocompress_nemo.stages.common import (
     METHODS,
@@ -56,7 +57,6 @@ def run(
         def importance(ds: list) -> list[list[float]]:
             return option_importance(ds, imp)
 
-        describe_fn: Any = lambda a: a.pattern  # noqa: E731
     else:  # MoE / Mamba hybrids: the summed sorted scores each option keeps
         from autocompress_nemo.rank.moe_mamba import MoeMambaImportance
 
@@ -65,8 +65,7 @@ def run(
         def importance(ds: list) -> list[list[float]]:
             return option_importance(ds, himp)
 
-        describe_fn = describe
-    search_core(ctx, out, method, spec, sd, importance, profile.table, validation, ckpt_dir, describe=describe_fn)
+    search_core(ctx, out, method, spec, sd, importance, profile.table, validation, ckpt_dir, describe=describe)
 
 
 class _Costs:
@@ -347,20 +346,3 @@ def verify_measured(
         import shutil
 
         shutil.rmtree(out / "verify_engine", ignore_errors=True)
-
-
-def describe(spec: ArchSpec) -> str:
-    """Per-block shapes in one line (experts x width (top-k) + shared; Mamba heads/groups)."""
-    out = []
-    for b in spec.blocks:
-        if b.removed:
-            out.append(f"{b.kind}:removed")
-        elif isinstance(b, MoeBlock):
-            out.append(f"E{b.num_experts}x{b.expert_ffn}k{b.top_k}+s{b.shared_ffn}")
-        elif isinstance(b, MambaBlock):
-            out.append(f"M{b.num_heads}h{b.num_groups}g")
-        elif isinstance(b, AttentionBlock):
-            out.append(f"A{b.num_heads}h{b.num_kv_groups}kv")
-        else:
-            out.append(f"F{b.ffn}")
-    return " ".join(out)

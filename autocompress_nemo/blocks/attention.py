@@ -1,0 +1,90 @@
+"""Attention blocks (GQA): options are (KV groups kept, query heads per group kept); the kept heads
+are the first ``heads_per_group`` of each of the first ``kv_groups`` groups (``kept_heads``, the one
+rule). Removed when ``num_heads == 0`` where the engine can remove attention."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock
+from autocompress_nemo.blocks.base import Decision, Grid, Kind, need
+
+
+def kept_heads(parent_hpg: int, groups: int, heads_per_group: int) -> torch.Tensor:
+    """Indices of the parent's query heads a child (G', H'/G') keeps."""
+    return torch.tensor([g * parent_hpg + r for g in range(groups) for r in range(heads_per_group)], dtype=torch.long)
+
+
+def attention_options(parent: AttentionBlock, caps: Any, allow_remove: bool) -> list[AttentionBlock]:
+    """(groups, heads per group) prefixes the engine can serve, ordered by kept query heads."""
+    hpg = parent.heads_per_group
+    vary_q = caps.vary_query_heads
+    # Dropping KV groups by prefix drops their query heads too, so it needs per-layer query
+    # heads. Engines that keep query heads global (TensorRT-LLM / vLLM DeciLM) would need KV
+    # heads merged instead of sliced, which this build does not do: there attention is kept
+    # whole or removed.
+    vary_groups = caps.vary_kv_groups and vary_q
+    groups = range(1, parent.num_kv_groups + 1) if vary_groups else [parent.num_kv_groups]
+    per_group = range(1, hpg + 1) if vary_q else [hpg]
+    opts = {AttentionBlock(g * q, g, parent.head_dim) for g, q in itertools.product(groups, per_group)}
+    ordered = sorted(opts, key=lambda b: (b.num_heads, b.num_kv_groups))
+    # the parent last: among equal head counts prefer more KV groups (it is the parent's shape)
+    ordered.remove(parent)
+    ordered.append(parent)
+    if allow_remove:
+        ordered.insert(0, AttentionBlock(0, 0, parent.head_dim))
+    return ordered
+
+
+def _rows(p: AttentionBlock, c: AttentionBlock) -> torch.Tensor:
+    heads = kept_heads(p.heads_per_group, c.num_kv_groups, c.heads_per_group)
+    return (heads[:, None] * p.head_dim + torch.arange(p.head_dim)).reshape(-1)
+
+
+class Attention(Kind):
+    name = "attention"
+    block_type = AttentionBlock
+    decision_kinds = ("attention",)
+
+    def decisions(self, spec: ArchSpec, i: int, block: AttentionBlock, caps: Any, grid: Grid) -> list[Decision]:
+        allow = caps.remove_attention and not (i == 0 and caps.first_block_full)
+        opts = attention_options(block, caps, allow)
+        return [Decision(i, "attention", tuple(opts))] if len(opts) > 1 else []
+
+    def masks(self, d: Decision, parent_block: AttentionBlock) -> dict[str, torch.Tensor]:
+        """Per query head, on the ``linear_proj`` input (a dropped KV group has all its query heads
+        masked, so its K/V are never read)."""
+        rows = []
+        for o in d.options:
+            row = torch.zeros(parent_block.num_heads)
+            row[kept_heads(parent_block.heads_per_group, o.num_kv_groups, o.heads_per_group)] = 1.0  # type: ignore[attr-defined]
+            rows.append(row)
+        return {"out": torch.stack(rows)}
+
+    def kept_importance(self, d: Decision, option: AttentionBlock, scores: Any) -> float:
+        heads = need(scores, "heads", d)
+        parent_hpg = len(heads) // d.options[-1].num_kv_groups  # type: ignore[attr-defined]  (last = the parent's)
+        return float(heads[kept_heads(parent_hpg, option.num_kv_groups, option.heads_per_group)].sum())
+
+    def widths(self, option: AttentionBlock) -> tuple[int, ...]:
+        return (option.num_heads, option.num_kv_groups)
+
+    def describe(self, block: AttentionBlock) -> str:
+        return f"A{block.num_heads}h{block.num_kv_groups}kv"
+
+    def prefix_problem(self, p: AttentionBlock, c: AttentionBlock) -> str | None:
+        if c.num_kv_groups > p.num_kv_groups or c.heads_per_group > p.heads_per_group or c.head_dim != p.head_dim:
+            return f"attention {c} is not a prefix of the parent's {p}"
+        return None
+
+    def slice(
+        self, p: AttentionBlock, c: AttentionBlock, role: str, t: torch.Tensor, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        if role in ("q", "q_bias"):
+            return t[_rows(p, c)]
+        if role == "o":
+            return t[:, _rows(p, c)]
+        return super().slice(p, c, role, t, shape)  # k, v (+ biases): the first G' groups; norms

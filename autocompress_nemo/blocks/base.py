@@ -1,0 +1,114 @@
+"""What a block kind is: the interface every kind module implements, and the decision type.
+
+A kind (``attention``, ``mlp``, ``moe``, ``mamba``) owns, for its blocks: the search options an
+engine's capabilities allow (``decisions``), how a chosen option goes back into the block
+(``merge``), the supernet's keep-masks over the sorted parent (``masks``), the importance an option
+keeps (``kept_importance``), its widths for a uniform (Minitron++) shape (``widths``), a one-line
+description (``describe``), the prefix rule a child block must obey (``prefix_problem``) and how
+each of its Hugging Face tensors is sliced from the sorted parent (``slice``). The registry
+(``blocks/__init__.py``) maps kind names and decision kinds to the kind objects; stages and the
+search loop over blocks and ask it, with no per-kind switch of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from autocompress_nemo.arch.spec import ArchSpec, Block
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One choice of the search: the options block ``block_index`` (or a part of it, ``kind`` e.g.
+    ``moe_routed``) may take, every one a *prefix* of the importance-sorted parent dimension."""
+
+    block_index: int
+    kind: str
+    options: tuple[Block, ...]
+    """Smallest first; the last option is the parent's own block."""
+
+    @property
+    def parent_option(self) -> int:
+        return len(self.options) - 1
+
+
+@dataclass(frozen=True)
+class Grid:
+    """How finely widths are offered: ``ffn_options`` points per ffn width, ``moe_levels`` per MoE
+    dimension (experts, expert ffn, shared ffn)."""
+
+    ffn_options: int = 8
+    moe_levels: int = 4
+
+
+def levels(parent: int, n: int, align: int = 1, minimum: int = 1) -> list[int]:
+    """``{parent} U {floor(parent*i/n / align)*align, i=1..n-1}`` that are ``>= minimum``, ascending:
+    the one width grid of every dimension (profiling, validation and search draw from it)."""
+    align = max(1, int(align))
+    out = {parent}
+    for i in range(1, max(1, n)):
+        w = (parent * i // n) // align * align
+        if w >= max(1, minimum):
+            out.add(w)
+    return sorted(out)
+
+
+class Kind:
+    """A block kind. Subclasses set ``name``, ``block_type`` and ``decision_kinds`` and override what
+    differs; the defaults suit a block with one decision over one prefix dimension."""
+
+    name: ClassVar[str]
+    block_type: ClassVar[type]
+    decision_kinds: ClassVar[tuple[str, ...]]
+
+    def decisions(self, spec: ArchSpec, i: int, block: Any, caps: Any, grid: Grid) -> list[Decision]:
+        raise NotImplementedError
+
+    def merge(self, d: Decision, current: Any, option: Any) -> Any:
+        """The block after choosing ``option`` of ``d`` for ``current`` (a whole-block decision: the option)."""
+        return option
+
+    def masks(self, d: Decision, parent_block: Any) -> dict[str, torch.Tensor]:
+        """``{mask name: [K, D]}`` keep-indicators of every option over the sorted parent dimension."""
+        raise NotImplementedError
+
+    def kept_importance(self, d: Decision, option: Any, scores: Any) -> float:
+        """The summed sorted-parent scores ``option`` keeps (``scores``: the block's rank scores)."""
+        raise NotImplementedError
+
+    def widths(self, option: Any) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def describe(self, block: Any) -> str:
+        raise NotImplementedError
+
+    def prefix_problem(self, parent_block: Any, child_block: Any) -> str | None:
+        """Why ``child_block`` is not a prefix of ``parent_block`` (None: it is)."""
+        return None
+
+    def slice(
+        self, parent_block: Any, child_block: Any, role: str, t: torch.Tensor, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """The child's tensor of ``role`` from the sorted parent's ``t``: a prefix along every dimension
+        unless the kind keeps rows in another order."""
+        return t[tuple(slice(0, n) for n in shape)]
+
+
+def prefix_rows(n: int, keep: list[int]) -> torch.Tensor:
+    """``[K, n]`` indicators of the first ``keep[k]`` of ``n`` sorted units."""
+    j = torch.arange(n)
+    return torch.stack([(j < k).float() for k in keep])
+
+
+def need(scores: Any, name: str, d: Decision) -> Any:
+    """``scores.<name>``, or a clear error when the rank artifact lacks it (an older build wrote it)."""
+    v = getattr(scores, name, None)
+    if v is None:
+        raise ValueError(
+            f"block {d.block_index} ({d.kind} decision): the rank artifact has no {name!r} "
+            "scores; it was written by an older build: delete the rank stage's directory and run again"
+        )
+    return v

@@ -1,0 +1,72 @@
+"""Mamba-2 blocks: heads kept **in whole groups** (``G' * H/G`` heads, ``G' = 1..G``): the gated
+RMSNorm normalizes over the channels of one group, so keeping part of a group changes the
+normalization of the heads that stay (masking would not equal the extracted child); whole groups
+are exact. ``vary_mamba_heads``; ``remove_mamba`` adds ``G' = 0``. The supernet masks per head on
+the ``out_proj`` input (after the gated norm)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from autocompress_nemo.arch.spec import ArchSpec, MambaBlock
+from autocompress_nemo.blocks.base import Decision, Grid, Kind, need, prefix_rows
+
+
+def mamba_options(parent: MambaBlock, caps: Any) -> list[MambaBlock]:
+    """Whole groups: ``G' * H/G`` heads for ``G' = 1..G`` (0 when ``remove_mamba``)."""
+    hpg = parent.num_heads // parent.num_groups
+    groups = range(1, parent.num_groups + 1) if caps.vary_mamba_heads else [parent.num_groups]
+    opts = [dataclasses.replace(parent, num_heads=g * hpg, num_groups=g) for g in groups]
+    if caps.remove_mamba:
+        opts.insert(0, dataclasses.replace(parent, num_heads=0))
+    return opts
+
+
+def _rows(p: MambaBlock, c: MambaBlock, conv: bool) -> torch.Tensor:
+    """Rows of ``in_proj`` (``[z; x; B; C; dt]``) or the conv (``[x; B; C]``) that the child keeps."""
+    di, gn = p.d_inner, p.num_groups * p.state_size
+    dk, gk = c.d_inner, c.num_groups * c.state_size
+    ar = torch.arange
+    if conv:
+        return torch.cat([ar(dk), di + ar(gk), di + gn + ar(gk)])
+    return torch.cat([ar(dk), di + ar(dk), 2 * di + ar(gk), 2 * di + gn + ar(gk), 2 * di + 2 * gn + ar(c.num_heads)])
+
+
+class Mamba(Kind):
+    name = "mamba"
+    block_type = MambaBlock
+    decision_kinds = ("mamba",)
+
+    def decisions(self, spec: ArchSpec, i: int, block: MambaBlock, caps: Any, grid: Grid) -> list[Decision]:
+        opts = mamba_options(block, caps)
+        return [Decision(i, "mamba", tuple(opts))] if len(opts) > 1 else []
+
+    def masks(self, d: Decision, parent_block: MambaBlock) -> dict[str, torch.Tensor]:
+        return {"out": prefix_rows(parent_block.num_heads, [o.num_heads for o in d.options])}  # type: ignore[attr-defined]
+
+    def kept_importance(self, d: Decision, option: MambaBlock, scores: Any) -> float:
+        return float(need(scores, "mamba_heads", d)[: option.num_heads].sum())
+
+    def widths(self, option: MambaBlock) -> tuple[int, ...]:
+        return (option.num_heads,)
+
+    def describe(self, block: MambaBlock) -> str:
+        return f"M{block.num_heads}h{block.num_groups}g"
+
+    def prefix_problem(self, p: MambaBlock, c: MambaBlock) -> str | None:
+        hpg = p.num_heads // p.num_groups
+        if (
+            (c.head_dim, c.state_size, c.conv_kernel) != (p.head_dim, p.state_size, p.conv_kernel)
+            or c.num_heads > p.num_heads
+            or c.num_heads != c.num_groups * hpg
+        ):
+            return f"Mamba {c} must keep whole groups of {hpg} heads of {p}"
+        return None
+
+    def slice(self, p: MambaBlock, c: MambaBlock, role: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        if role in ("in_proj", "conv_w", "conv_b"):
+            return t[_rows(p, c, conv=role != "in_proj")]
+        return super().slice(p, c, role, t, shape)

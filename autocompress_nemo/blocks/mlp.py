@@ -1,0 +1,53 @@
+"""Dense MLP blocks (SwiGLU or squared-ReLU): options are ffn widths on the one grid (``levels``,
+``ffn_align``), plus 0 (removed) where the engine can remove an MLP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from autocompress_nemo.arch.spec import ArchSpec, MlpBlock
+from autocompress_nemo.blocks.base import Decision, Grid, Kind, levels, need, prefix_rows
+
+
+def ffn_widths(parent_ffn: int, n_options: int, align: int, allow_zero: bool) -> list[int]:
+    """The ffn grid (``levels``: the widths the cost table is profiled at), plus 0 when the block
+    may be removed."""
+    return ([0] if allow_zero else []) + levels(parent_ffn, n_options, align)
+
+
+class Mlp(Kind):
+    name = "mlp"
+    block_type = MlpBlock
+    decision_kinds = ("mlp",)
+
+    def decisions(self, spec: ArchSpec, i: int, block: MlpBlock, caps: Any, grid: Grid) -> list[Decision]:
+        # a kept attention needs its ffn (llama.cpp deci): no MLP removal under attention_needs_ffn
+        allow = (
+            caps.remove_mlp
+            and not (i == len(spec.blocks) - 1 and caps.last_block_full)
+            and not caps.attention_needs_ffn
+        )
+        if caps.vary_ffn:
+            widths = ffn_widths(block.ffn, grid.ffn_options, caps.ffn_align, allow)
+        else:
+            widths = ([0] if allow else []) + [block.ffn]
+        opts = tuple(MlpBlock(w, block.activation) for w in widths)
+        return [Decision(i, "mlp", opts)] if len(opts) > 1 else []
+
+    def masks(self, d: Decision, parent_block: MlpBlock) -> dict[str, torch.Tensor]:
+        """Per neuron, on the ``linear_fc2`` input."""
+        return {"out": prefix_rows(parent_block.ffn, [o.ffn for o in d.options])}  # type: ignore[attr-defined]
+
+    def kept_importance(self, d: Decision, option: MlpBlock, scores: Any) -> float:
+        return float(need(scores, "ffn", d)[: option.ffn].sum())
+
+    def widths(self, option: MlpBlock) -> tuple[int, ...]:
+        return (option.ffn,)
+
+    def describe(self, block: MlpBlock) -> str:
+        return f"F{block.ffn}"
+
+    def prefix_problem(self, p: MlpBlock, c: MlpBlock) -> str | None:
+        return f"ffn {c.ffn} > parent's {p.ffn}" if c.ffn > p.ffn else None

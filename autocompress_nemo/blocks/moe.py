@@ -1,0 +1,154 @@
+"""Mixture-of-experts blocks: **two** decisions per block, because the cost is additive in two parts
+that run as separate kernels.
+
+- ``moe_routed``: joint options ``(experts E', expert ffn F', top-k k')`` (router, routed experts,
+  LatentMoE projections), from a few levels each (``vary_experts``, ``vary_expert_ffn``,
+  ``vary_top_k``), ``k' <= E'``; ``remove_moe`` adds "no routed experts". E' and F' are joint
+  because the routed cost is *not* additive in them (weights ``E' * F'``; compute ``k' * F'``);
+  ordered by total then active parameters, so "one option smaller" is the next cheaper routed
+  configuration. Experts are kept in multiples of ``expert_align`` (the engine's, times EP).
+- ``moe_shared``: shared-expert width ``S'`` (``vary_shared_ffn``; 0 allowed).
+
+Option blocks of the parts are the canonical part blocks of ``costs.table.moe_parts`` (the routed
+part has ``shared_ffn = 0``, the shared part ``num_experts = 0``), so the predictor prices each part
+from its own table entry and the expected cost stays linear in the probabilities; ``merge`` puts the
+two parts back into one ``MoeBlock``. Top-k levels: ``{k} U {ceil(k*i/4), i = 2, 3}``, at least 2
+unless the router is softmax-then-top-k (``min_top_k``).
+
+Supernet masks (``search/supernet.py`` installs them): ``moe_shared`` per neuron on
+``shared_experts.linear_fc2``'s input; ``moe_routed``: the expert-ffn mask on every routed expert's
+``linear_fc2`` input, the expert keep-mask and the top-k mixture on the router (see the supernet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any
+
+import torch
+
+from autocompress_nemo.arch.counts import block_params
+from autocompress_nemo.arch.spec import ArchSpec, MoeBlock
+from autocompress_nemo.blocks.base import Decision, Grid, Kind, levels, need, prefix_rows
+
+
+def moe_parts(b: MoeBlock) -> tuple[MoeBlock, MoeBlock]:
+    """(routed part, shared part) of an MoE block as canonical blocks (see module docstring)."""
+    from autocompress_nemo.costs.table import moe_parts as parts
+
+    return parts(b)
+
+
+def topk_levels(k: int, min_k: int) -> list[int]:
+    return sorted({k} | {max(min_k, math.ceil(k * i / 4)) for i in (2, 3)})
+
+
+def min_top_k(spec: ArchSpec) -> int:
+    """1 only for a softmax-then-top-k router (Qwen3-MoE with ``norm_topk_prob=False``); else 2:
+    Megatron does not normalize a single sigmoid weight, and refuses top-1 after top-k softmax."""
+    return 1 if spec.family == "qwen3_moe" and spec.extra.get("norm_topk_prob", True) is False else 2
+
+
+def moe_routed_options(parent: MoeBlock, spec: ArchSpec, caps: Any, n_levels: int = 4) -> list[MoeBlock]:
+    """Joint routed options (see module docstring), smallest first, the parent's last."""
+    routed, _ = moe_parts(parent)
+    ks = topk_levels(parent.top_k, min_top_k(spec)) if caps.vary_top_k else [parent.top_k]
+    es = (
+        levels(parent.num_experts, n_levels, caps.expert_align, minimum=min(ks))
+        if caps.vary_experts
+        else [parent.num_experts]
+    )
+    fs = levels(parent.expert_ffn, n_levels, caps.ffn_align) if caps.vary_expert_ffn else [parent.expert_ffn]
+    opts = {
+        dataclasses.replace(routed, num_experts=e, expert_ffn=f, top_k=k)
+        for e, f, k in itertools.product(es, fs, ks)
+        if k <= e
+    }
+    ordered = sorted(
+        opts,
+        key=lambda b: (
+            block_params(b, spec.hidden),
+            block_params(b, spec.hidden, active=True),
+            b.num_experts,
+            b.expert_ffn,
+            b.top_k,
+        ),
+    )
+    ordered.remove(routed)
+    ordered.append(routed)
+    if caps.remove_moe:
+        ordered.insert(0, dataclasses.replace(routed, num_experts=0, expert_ffn=0, top_k=0, latent=0))
+    return ordered
+
+
+def moe_shared_options(parent: MoeBlock, caps: Any, n_levels: int = 4) -> list[MoeBlock]:
+    _, shared = moe_parts(parent)
+    if not parent.shared_ffn or not caps.vary_shared_ffn:
+        return [shared]
+    widths = [0] + levels(parent.shared_ffn, n_levels, caps.ffn_align)
+    return [dataclasses.replace(shared, shared_ffn=w) for w in widths]
+
+
+class Moe(Kind):
+    name = "moe"
+    block_type = MoeBlock
+    decision_kinds = ("moe_routed", "moe_shared")
+
+    def decisions(self, spec: ArchSpec, i: int, block: MoeBlock, caps: Any, grid: Grid) -> list[Decision]:
+        out = []
+        if block.num_experts and block.expert_ffn:
+            r = moe_routed_options(block, spec, caps, grid.moe_levels)
+            if len(r) > 1:
+                out.append(Decision(i, "moe_routed", tuple(r)))
+        s = moe_shared_options(block, caps, grid.moe_levels)
+        if len(s) > 1:
+            out.append(Decision(i, "moe_shared", tuple(s)))
+        return out
+
+    def merge(self, d: Decision, current: MoeBlock, option: MoeBlock) -> MoeBlock:
+        if d.kind == "moe_routed":
+            return dataclasses.replace(
+                current,
+                num_experts=option.num_experts,
+                expert_ffn=option.expert_ffn,
+                top_k=option.top_k if option.num_experts else current.top_k,
+                latent=option.latent,
+            )
+        return dataclasses.replace(current, shared_ffn=option.shared_ffn)
+
+    def masks(self, d: Decision, pb: MoeBlock) -> dict[str, torch.Tensor]:
+        opts: list[MoeBlock] = list(d.options)  # type: ignore[arg-type]
+        if d.kind == "moe_shared":
+            return {"shared": prefix_rows(pb.shared_ffn, [o.shared_ffn for o in opts])}
+        ks = sorted({o.top_k for o in opts if o.num_experts})
+        topk = torch.stack([torch.tensor([float(bool(o.num_experts) and o.top_k == k) for k in ks]) for o in opts])
+        return {
+            "experts": prefix_rows(pb.num_experts, [o.num_experts for o in opts]),
+            "expert_ffn": prefix_rows(pb.expert_ffn, [o.expert_ffn for o in opts]),
+            "topk": topk,
+            "topk_values": torch.tensor(ks, dtype=torch.float32).unsqueeze(0),
+        }
+
+    def kept_importance(self, d: Decision, option: MoeBlock, scores: Any) -> float:
+        if d.kind == "moe_routed":
+            return float(need(scores, "expert_ffn", d)[: option.num_experts, : option.expert_ffn].sum())
+        return float(need(scores, "shared_ffn", d)[: option.shared_ffn].sum())
+
+    def widths(self, option: MoeBlock) -> tuple[int, ...]:
+        return (option.num_experts, option.expert_ffn, option.top_k) if option.num_experts else (option.shared_ffn,)
+
+    def describe(self, block: MoeBlock) -> str:
+        return f"E{block.num_experts}x{block.expert_ffn}k{block.top_k}+s{block.shared_ffn}"
+
+    def prefix_problem(self, p: MoeBlock, c: MoeBlock) -> str | None:
+        if (
+            c.num_experts > p.num_experts
+            or c.expert_ffn > p.expert_ffn
+            or c.shared_ffn > p.shared_ffn
+            or (c.num_experts and c.latent != p.latent)
+            or c.activation != p.activation
+        ):
+            return f"MoE {c} is not a prefix of {p}"
+        return None
