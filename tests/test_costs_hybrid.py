@@ -21,7 +21,8 @@ from autocompress_nemo.costs.engines import get_engine
 from autocompress_nemo.costs.engines.base import Workload
 from autocompress_nemo.costs.engines.roofline import expected_experts_touched
 from autocompress_nemo.costs.predictor import Predictor
-from autocompress_nemo.costs.profiler import build_hybrid_table, spread_copies
+from autocompress_nemo.costs.profile import build_table
+from autocompress_nemo.costs.profile.differences import spread_copies
 from autocompress_nemo.costs.table import CostTable, ProvenanceMismatch, moe_parts
 from tests.hybrid_utils import conf_spec, hetero_hybrid_spec, requires_mamba
 
@@ -58,7 +59,7 @@ def roofline_target(batch: int) -> TargetConfig:
 
 def table_at(batch: int) -> CostTable:
     t = roofline_target(batch)
-    return build_hybrid_table(
+    return build_table(
         get_engine(t), conf_spec("tiny_hybrid"), Workload.from_config(t.workload), ffn_points=4, log=lambda s: None
     )
 
@@ -184,7 +185,7 @@ def test_torch_eager_routes_batch_times_top_k_tokens_per_decode_step() -> None:
 
 # -- least-squares hybrid tables (profile_method: fit) -------------------------------------------
 def test_balanced_design_uses_every_option_equally_often() -> None:
-    from autocompress_nemo.profile.hybrid_fit import balanced_choices
+    from autocompress_nemo.costs.profile.fit import balanced_choices
 
     ch = balanced_choices([3, 17, 5], 40, seed=0)
     assert len(ch) == 40 and len({tuple(c) for c in ch}) > 30
@@ -198,7 +199,7 @@ def test_fit_recovers_costs_and_reports_leave_one_out_residuals() -> None:
     the costs (including a true zero, kept >= 0), and its residuals are about the noise."""
     import numpy as np
 
-    from autocompress_nemo.profile.hybrid_fit import fit_costs
+    from autocompress_nemo.costs.profile.fit import fit_costs
 
     rng = np.random.default_rng(0)
     x_true = np.array([0.0, 0.5, 1.0, 2.0, 3.0])
@@ -225,10 +226,10 @@ def test_fit_table_predicts_unprofiled_children_and_marks_its_models() -> None:
     from autocompress_nemo.search.space import apply_choices, build_space
 
     t = roofline_target(4)
-    t.engine.settings = {"profile_method": "fit", "profile_models_per_unknown": 2}
+    t.engine.settings.profile_method, t.engine.settings.profile_models_per_unknown = "fit", 2
     eng, wl = get_engine(t), Workload.from_config(t.workload)
     parent = conf_spec("tiny_hybrid")
-    table = build_hybrid_table(eng, parent, wl, ffn_points=4, log=lambda s: None)
+    table = build_table(eng, parent, wl, ffn_points=4, log=lambda s: None)
     prov = table.provenance
     assert prov["profile"]["method"] == "hybrid_fit" and prov["profile_models"] == len(table.runs)
     assert prov["fit"]["decode_ms"]["loo_max_pct"] < 0.1 and prov["fit"]["models"] >= 2 * prov["fit"]["unknowns"] - 1

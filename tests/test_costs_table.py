@@ -16,7 +16,7 @@ from autocompress_nemo.config.schema import BudgetConstraint, TargetConfig
 from autocompress_nemo.costs.engines import get_engine
 from autocompress_nemo.costs.engines.base import Workload
 from autocompress_nemo.costs.predictor import Predictor, resolve_budget
-from autocompress_nemo.costs.profiler import build_table
+from autocompress_nemo.costs.profile import build_table
 from autocompress_nemo.costs.table import ESTIMATED_LABEL, CostTable, ProvenanceMismatch
 
 PARENT = ArchSpec.llama(hidden=256, vocab=1000, layers=6, heads=8, kv_groups=4, ffn=768, name="tiny")

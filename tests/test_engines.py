@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
-from autocompress_nemo.config.schema import EngineConfig, TargetConfig
+from autocompress_nemo.config.schema import EngineConfig, EngineSettings, TargetConfig
 from autocompress_nemo.costs import memory as mem
 from autocompress_nemo.costs.engines import get_engine
 from autocompress_nemo.costs.engines.base import Workload, capability_problems
@@ -86,7 +86,7 @@ def engine_target(threads: int = 1) -> TargetConfig:
     t.hardware.name = "cpu"
     t.engine = OmegaConf.structured(
         EngineConfig(
-            name="llama_cpp", dtype="f16", threads=threads, repeats=2, settings={"decode_steps": 8, "rounds": 1}
+            name="llama_cpp", dtype="f16", threads=threads, repeats=2, settings=EngineSettings(decode_steps=8, rounds=1)
         )
     )
     for k, v in llama_caps().items():
@@ -185,7 +185,7 @@ def test_gpu_engine_measures(tmp_path, name: str) -> None:
     t = OmegaConf.structured(TargetConfig)
     t.name, t.hardware.name = "gpu", "gpu"
     t.engine = OmegaConf.structured(
-        EngineConfig(name=name, dtype="bf16", kv_dtype="bf16", repeats=3, settings={"decode_steps": 16})
+        EngineConfig(name=name, dtype="bf16", kv_dtype="bf16", repeats=3, settings=EngineSettings(decode_steps=16))
     )
     for k, v in trt_caps().items():
         t.engine.capabilities[k] = v

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autocompress_nemo.config.schema import EngineCapabilities, capabilities_of
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 """The package's Hydra config directory (``conf`` at the repository root links here)."""
 
@@ -244,6 +246,20 @@ def data_parallel_size(cluster: Any) -> int:
     mp = int(_get(cluster, "tp", 1)) * int(_get(cluster, "pp", 1)) * int(_get(cluster, "cp", 1))
     w = world_size(cluster)
     return w // mp if mp > 0 and w % mp == 0 else 0
+
+
+def search_capabilities(cfg: Any) -> EngineCapabilities:
+    """The target engine's capabilities with what the run's own layout needs on top: under expert
+    parallelism (``cluster.ep``) every student keeps a multiple of EP routed experts per MoE block
+    (``expert_align = lcm(engine's, ep)``), so search, extraction and recovery distillation can
+    shard it the way they shard the parent. The search space, the profiled option grid and the
+    validation candidates are all drawn under these."""
+    import dataclasses
+    import math
+
+    caps = capabilities_of(_get(cfg.target.engine, "capabilities"))
+    ep = int(_get(_get(cfg, "cluster"), "ep", 1) or 1)
+    return dataclasses.replace(caps, expert_align=math.lcm(caps.expert_align or 1, ep)) if ep > 1 else caps
 
 
 # -- dtypes ---------------------------------------------------------------------------------------

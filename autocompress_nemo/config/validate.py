@@ -201,8 +201,9 @@ def _check_target(c: dict, m: dict, t: dict) -> list[str]:
     unknown = sorted(set(caps.get("block_kinds") or []) - set(BLOCK_KINDS))
     if unknown:
         p.append(f"target.engine.capabilities.block_kinds has unknown kinds {unknown}; known: {', '.join(BLOCK_KINDS)}")
-    for key in ("ffn_align", "head_align", "hidden_align"):
+    for key in ("ffn_align", "expert_align"):
         _pos(p, f"target.engine.capabilities.{key}", caps.get(key, 1))
+    p += _check_engine_settings(eng.get("settings") or {}, "target.engine.settings")
     for key in ("batch", "input_len", "output_len", "context_len"):
         _pos(p, f"target.workload.{key}", wl.get(key))
     if all(isinstance(wl.get(k), int) for k in ("input_len", "output_len", "context_len")):
@@ -323,6 +324,37 @@ def _check_search(c: dict, m: dict, t: dict) -> list[str]:
     for key in ("penalty_over", "penalty_under", "weight_lr", "grow_threshold"):
         if not isinstance(s.get(key), float | int) or s[key] < 0:
             p.append(f"search.{key}={s.get(key)!r} must be >= 0")
+    p += _check_engine_settings(s.get("profile_settings") or {}, "search.profile_settings")
+    return p
+
+
+_SETTING_CHOICES = {
+    "decode_context": ("mean", "full"),
+    "clock": ("auto", "wall", "thread_cpu"),
+    "profile_method": ("", "fit", "differences"),
+}
+
+
+def _check_engine_settings(settings: dict, where: str) -> list[str]:
+    """Keys of ``EngineSettings`` only, with their types; the few string settings from their choices."""
+    import dataclasses
+
+    from autocompress_nemo.config.schema import EngineSettings
+
+    fields = {f.name: f for f in dataclasses.fields(EngineSettings)}
+    p: list[str] = []
+    for k, v in settings.items():
+        if k not in fields:
+            p.append(f"{where}.{k}: no such engine setting; the settings are {', '.join(sorted(fields))}")
+            continue
+        want = {"int": int, "float": float, "str": str, "bool": bool}[str(fields[k].type)]
+        ok = isinstance(v, want) and not (want is int and isinstance(v, bool))
+        if want is float:
+            ok = isinstance(v, int | float) and not isinstance(v, bool)
+        if not ok:
+            p.append(f"{where}.{k}={v!r} must be a {want.__name__}")
+        elif k in _SETTING_CHOICES and v not in _SETTING_CHOICES[k]:
+            p.append(f"{where}.{k}={v!r} is not one of {list(_SETTING_CHOICES[k])}")
     return p
 
 

@@ -11,7 +11,7 @@ Total serving memory (what a memory budget constrains)::
 W and KV/S follow from the shapes; workspace (the engine's activation peak, llama.cpp's
 "compute buffer") and runtime buffers (llama.cpp's "output buffer": logits for B
 sequences) are engine constants, calibrated from what the engine reports while profiling
-(``costs/profiler.py``) and stored in the cost table.
+(``costs/profile/``) and stored in the cost table.
 """
 
 from __future__ import annotations

@@ -242,6 +242,19 @@ def _width(b: Block) -> int:
     return 0
 
 
+MEASURED_SETTINGS = ("n_batch", "n_ubatch", "decode_context", "max_num_tokens", "max_num_batched_tokens")
+"""``EngineSettings`` fields that change what the engine measures (not only how precisely)."""
+
+
+def expected_settings(engine_cfg: Any) -> dict[str, Any]:
+    """The provenance's ``settings``, compared when a table is loaded: the ``MEASURED_SETTINGS`` of
+    ``engine_cfg`` (the target's ``engine`` section) and its serving tensor-parallel size."""
+    from autocompress_nemo.config.schema import engine_config_of
+
+    cfg = engine_config_of(engine_cfg)
+    return {**{k: getattr(cfg.settings, k) for k in MEASURED_SETTINGS}, "tensor_parallel": int(cfg.tensor_parallel)}
+
+
 def make_provenance(
     engine_prov: dict[str, Any],
     workload: dict[str, int],

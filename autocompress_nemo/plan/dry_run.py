@@ -23,6 +23,8 @@ from omegaconf import OmegaConf
 from autocompress_nemo.arch import counts
 from autocompress_nemo.arch.from_config import spec_from_model_config
 from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.config.resolve import search_capabilities
+from autocompress_nemo.config.schema import settings_of
 from autocompress_nemo.costs.memory import bytes_per_element
 from autocompress_nemo.plan import memory_train as mt
 from autocompress_nemo.plan.layout import (
@@ -115,9 +117,9 @@ def build_plan(cfg: Any) -> dict[str, Any]:
     parent = spec_from_model_config(cfg.model)
     eng, wl = cfg.target.engine, cfg.target.workload
     kv_bytes = bytes_per_element(str(eng.kv_dtype))
-    ssm_bytes = bytes_per_element(str((eng.settings or {}).get("ssm_cache_dtype", eng.kv_dtype)))
+    ssm_bytes = bytes_per_element(settings_of(eng.settings).ssm_cache_dtype or str(eng.kv_dtype))
     # one model instance is served on engine.tensor_parallel devices (the others hold replicas)
-    hw_mem = int(cfg.target.hardware.memory_bytes) * max(int(getattr(eng, "tensor_parallel", 1) or 1), 1)
+    hw_mem = int(cfg.target.hardware.memory_bytes) * max(int(eng.tensor_parallel), 1)
 
     def serve(spec: ArchSpec) -> dict[str, Any]:
         return serving_memory(spec, cfg.target)
@@ -125,7 +127,7 @@ def build_plan(cfg: Any) -> dict[str, Any]:
     parent_serving = serve(parent)
     student, how = budget_student(parent, cfg.target, serve)
     student_serving = serve(student) if student is not None else None
-    smallest = smallest_servable(parent, eng.capabilities)
+    smallest = smallest_servable(parent, search_capabilities(cfg))
     smallest_serving = serve(smallest)
     reach = check_budget(smallest, smallest_serving, parent, parent_serving, cfg.target)
     plan: dict[str, Any] = {

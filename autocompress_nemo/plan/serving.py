@@ -13,7 +13,9 @@ from typing import Any
 
 from autocompress_nemo.arch import counts
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.config.schema import EngineCapabilities, capabilities_of, settings_of
 from autocompress_nemo.costs import memory
+from autocompress_nemo.costs.engines.trtllm import MAX_NUM_TOKENS
 
 EXPERT_ALIGN = 8
 """The budget-sized student keeps a multiple of 8 routed experts per block, so EP=8 divides it."""
@@ -25,14 +27,15 @@ def serving_memory(spec: ArchSpec, target: Any) -> dict[str, Any]:
     from ``costs/memory.py`` (the formulas live there):
     ``weights`` (engine dtype; GPU engines keep norms in the same dtype), ``kv_cache``
     (``kv_dtype``), ``ssm_state`` (``engine.settings.ssm_cache_dtype``, default ``kv_dtype``),
-    ``workspace`` (uncalibrated estimate over ``min(max_num_tokens, B*C)`` tokens) and
+    ``workspace`` (uncalibrated estimate over ``min(max_num_tokens, B*C)`` tokens; ``max_num_tokens``
+    0 = TensorRT-LLM's default 8192) and
     ``buffers`` (fp32 logits of B sequences)."""
     eng, wl = target.engine, target.workload
     ctx, batch = int(wl.context_len), int(wl.batch)
-    settings = eng.settings or {}
+    settings = settings_of(eng.settings)
     dtype, kv = str(eng.dtype), str(eng.kv_dtype)
-    state = str(settings.get("ssm_cache_dtype", kv))
-    tokens = min(int(settings.get("max_num_tokens", 8192)), ctx * batch)
+    state = settings.ssm_cache_dtype or kv
+    tokens = min(settings.max_num_tokens or MAX_NUM_TOKENS, ctx * batch)
     out = {
         "weights": memory.weight_bytes(spec, dtype, norm_dtype=dtype),
         "kv_cache": memory.kv_cache_bytes(spec, ctx, batch, kv),
@@ -126,13 +129,13 @@ def budget_student(
     search picks per-block shapes). It shrinks the dimension the engine lets vary that holds
     most parameters: routed experts per MoE block (multiples of 8), else the dense ffn width
     (multiples of the engine's ffn alignment). Returns (None, reason) when none applies."""
-    caps = target.engine.capabilities
+    caps = capabilities_of(target.engine.capabilities)
     parent_serving = serve(parent)
     if meets(parent, parent_serving, parent, parent_serving, target):
         return parent, "the parent already meets the memory/parameter budget; nothing must be cut for memory"
     moe = [b for b in parent.blocks if isinstance(b, MoeBlock) and not b.removed and b.num_experts]
     mlp = [b for b in parent.blocks if isinstance(b, MlpBlock) and not b.removed]
-    if moe and bool(caps.vary_experts):
+    if moe and caps.vary_experts:
         e0, k = moe[0].num_experts, max(b.top_k for b in moe)
         options = [n for n in range(e0 - e0 % EXPERT_ALIGN, max(k, 1) - 1, -EXPERT_ALIGN) if n >= k]
         for n in options:
@@ -145,8 +148,8 @@ def budget_student(
                     f"Mamba and shared experts untouched)"
                 )
         return None, f"even {k} routed experts per MoE block (top-k) do not meet the budget"
-    if mlp and bool(caps.vary_ffn):
-        f0, align = mlp[0].ffn, max(int(caps.ffn_align), 1)
+    if mlp and caps.vary_ffn:
+        f0, align = mlp[0].ffn, max(caps.ffn_align, 1)
         for f in range(f0 - f0 % align, 0, -align):
             s = _with_ffn(parent, f)
             if meets(s, serve(s), parent, parent_serving, target):
@@ -155,33 +158,32 @@ def budget_student(
     return None, "the engine cannot vary routed experts or ffn widths; no uniform student estimated"
 
 
-def _min_block(b: Block, caps: Any) -> Block:
+def _min_block(b: Block, caps: EngineCapabilities) -> Block:
     """The smallest shape of one block that the engine's capabilities let the search reach."""
-    g = caps.get if hasattr(caps, "get") else (lambda k, d=None: getattr(caps, k, d))
     if b.removed:
         return b
     if isinstance(b, AttentionBlock):
-        if g("remove_attention", False):
+        if caps.remove_attention:
             return AttentionBlock(0, 0, b.head_dim)
-        groups = 1 if g("vary_kv_groups", False) else b.num_kv_groups
-        heads = groups if g("vary_query_heads", False) else b.num_heads  # one query head per group
+        groups = 1 if caps.vary_kv_groups else b.num_kv_groups
+        heads = groups if caps.vary_query_heads else b.num_heads  # one query head per group
         return AttentionBlock(heads, groups, b.head_dim)
     if isinstance(b, MlpBlock):
-        if g("remove_mlp", False):
+        if caps.remove_mlp:
             return MlpBlock(0, b.activation)
-        return MlpBlock(max(int(g("ffn_align", 1)), 1), b.activation) if g("vary_ffn", False) else b
+        return MlpBlock(max(caps.ffn_align, 1), b.activation) if caps.vary_ffn else b
     if isinstance(b, MoeBlock):
-        if g("remove_moe", False):
+        if caps.remove_moe:
             return MoeBlock(0, 0, 0, 0, b.latent, b.activation)
-        top_k = 1 if g("vary_top_k", False) else b.top_k
-        experts = top_k if g("vary_experts", False) else b.num_experts
-        eff = max(int(g("ffn_align", 1)), 1) if g("vary_expert_ffn", False) else b.expert_ffn
-        shared = 0 if g("vary_shared_ffn", False) else b.shared_ffn
+        top_k = 1 if caps.vary_top_k else b.top_k
+        experts = top_k if caps.vary_experts else b.num_experts
+        eff = max(caps.ffn_align, 1) if caps.vary_expert_ffn else b.expert_ffn
+        shared = 0 if caps.vary_shared_ffn else b.shared_ffn
         return MoeBlock(experts, eff, min(top_k, experts), shared, b.latent, b.activation)
     if isinstance(b, MambaBlock):
-        if g("remove_mamba", False):
+        if caps.remove_mamba:
             return MambaBlock(0, b.head_dim, b.state_size, b.num_groups, b.conv_kernel)
-        heads = b.num_groups if g("vary_mamba_heads", False) else b.num_heads
+        heads = b.num_groups if caps.vary_mamba_heads else b.num_heads
         return MambaBlock(heads, b.head_dim, b.state_size, b.num_groups, b.conv_kernel)
     return b
 
@@ -190,6 +192,7 @@ def smallest_servable(parent: ArchSpec, caps: Any) -> ArchSpec:
     """The smallest model of the search space: the search's own space where it covers the model
     (``search/space.py``), else every block at the minimum the engine's capabilities allow
     (first / last block kept full where the engine requires it)."""
+    caps = capabilities_of(caps)
     try:
         from autocompress_nemo.search.space import apply_choices, build_space
 
@@ -197,11 +200,10 @@ def smallest_servable(parent: ArchSpec, caps: Any) -> ArchSpec:
         return apply_choices(parent, decisions, [0] * len(decisions))
     except (ImportError, ValueError):
         pass
-    g = caps.get if hasattr(caps, "get") else (lambda k, d=None: getattr(caps, k, d))
     n = len(parent.blocks)
     spec = parent
     for i, b in enumerate(parent.blocks):
-        if (i == 0 and g("first_block_full", False)) or (i == n - 1 and g("last_block_full", False)):
+        if (i == 0 and caps.first_block_full) or (i == n - 1 and caps.last_block_full):
             continue
         spec = spec.replace_block(i, _min_block(b, caps))
     return spec

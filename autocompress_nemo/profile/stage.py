@@ -23,11 +23,13 @@ from omegaconf import OmegaConf
 
 from autocompress_nemo.arch.from_config import spec_from_model_config
 from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.config.resolve import search_capabilities
+from autocompress_nemo.config.schema import settings_of
 from autocompress_nemo.costs.engines import get_engine
 from autocompress_nemo.costs.engines.base import Workload
 from autocompress_nemo.costs.predictor import Predictor
-from autocompress_nemo.costs.profiler import build_table, expected_settings
-from autocompress_nemo.costs.table import CostTable, make_provenance
+from autocompress_nemo.costs.profile import build_table
+from autocompress_nemo.costs.table import CostTable, expected_settings, make_provenance
 from autocompress_nemo.profile import validate as val
 from autocompress_nemo.utils.artifacts import artifact, hash_obj, is_complete
 
@@ -43,7 +45,8 @@ def parent_spec(cfg: Any) -> ArchSpec:
 
 
 def profile_config_hash(cfg: Any) -> str:
-    """What the table depends on: engine, hardware, workload, the parent's shape and the option grid."""
+    """What the table depends on: engine, hardware, workload, the parent's shape and the option grid
+    (the search's capabilities under the run's layout and ``search.ffn_options``)."""
     t = cfg.target
     return hash_obj(
         {
@@ -52,6 +55,7 @@ def profile_config_hash(cfg: Any) -> str:
             "workload": _plain(t.workload),
             "parent": parent_spec(cfg).to_dict(),
             "ffn_options": int(cfg.search.ffn_options),
+            "expert_align": search_capabilities(cfg).expert_align,
         }
     )
 
@@ -63,7 +67,7 @@ def expected_provenance(cfg: Any) -> dict[str, Any]:
     prov = make_provenance(
         eng.provenance(),
         wl.__dict__,
-        wl.decode_context(str(eng.setting("decode_context", "mean"))),
+        eng.decode_context(wl),
         expected_settings(cfg.target.engine),
         parent_spec(cfg),
     )
@@ -97,7 +101,7 @@ def run_profile(cfg: Any, out_dir: str | Path) -> Path:
     wl = Workload.from_config(cfg.target.workload)
     with artifact(out, stage="profile", config_hash=h, inputs={"parent": parent.to_json(None)}) as tmp:
         engine = get_engine(cfg.target, workdir=tmp / "work")
-        table = build_table(engine, parent, wl, ffn_points=int(cfg.search.ffn_options))
+        table = build_table(engine, parent, wl, ffn_points=int(cfg.search.ffn_options), caps=search_capabilities(cfg))
         table.provenance["target"] = str(cfg.target.name)
         table.save(tmp / TABLE_FILE)
         _rmtree(tmp / "work")
@@ -117,20 +121,20 @@ def run_validate(
     pred = Predictor(table, cfg.target)
     parent = parent_spec(cfg)
     wl = Workload.from_config(cfg.target.workload)
-    n_rand = int(n_random if n_random is not None else cfg.target.engine.settings.get("validate_random", 9))
+    n_rand = int(n_random if n_random is not None else settings_of(cfg.target.engine.settings).validate_random)
     specs = val.candidates(
         parent,
-        cfg.target.engine.capabilities,
+        search_capabilities(cfg),
         n_rand,
         int(seed if seed is not None else cfg.seed),
-        int(cfg.target.engine.settings.get("ffn_grid", cfg.search.ffn_options)),
+        int(cfg.search.ffn_options),
     )
     out = Path(out_dir) / "validation"
     rows: list[dict[str, Any]] = []
     t0 = time.time()
     with artifact(out, stage="validate", config_hash=hash_obj([str(table_path), n_rand, len(specs)])) as tmp:
         engine = get_engine(cfg.target, workdir=tmp / "work")
-        total = len(specs) * int(engine.setting("rounds", 2))
+        total = len(specs) * engine.settings.rounds
         done = [0]
 
         def progress(msg: str) -> None:

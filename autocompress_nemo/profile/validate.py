@@ -2,10 +2,10 @@
 
 Dense candidates (none of them is a profiling model): the parent; uniform shrinks (ffn, KV
 groups, query heads, a mix); a model with whole layers removed; random heterogeneous mixes
-(per-layer attention options and off-grid ffn widths, some blocks removed), each checked
+(per-layer attention options and ffn widths of the search's grid, some blocks removed), each checked
 against the engine's capabilities (first layer keeps attention, last keeps ffn, no
 attention without ffn on llama.cpp). Hybrid candidates come from the hybrid search space
-(``stages_hybrid.validation_candidates``); there the parent is one of the table's profiling models,
+(``hybrid_candidates``); there the parent is one of the table's profiling models,
 so it is measured as the *reference* (``is_reference``: any candidate whose spec hash is among the
 table's profiling models): left out of the errors, and used to measure how much the machine's speed
 changed since profiling (``drift_scale``).
@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
-from autocompress_nemo.costs.engines.base import _cap, capability_problems
-from autocompress_nemo.costs.profiler import attention_grid, ffn_grid
+from autocompress_nemo.config.schema import capabilities_of
+from autocompress_nemo.costs.engines.base import capability_problems
+from autocompress_nemo.costs.profile.grid import dense_options
 
 METRICS = ("prefill_ms", "decode_ms", "response_latency_ms", "memory_bytes")
 
@@ -33,24 +34,24 @@ def _layered(parent: ArchSpec, layers: list[tuple[AttentionBlock, MlpBlock]], na
 def candidates(parent: ArchSpec, caps: Any, n_random: int = 8, seed: int = 0, ffn_points: int = 8) -> list[ArchSpec]:
     """Parent, uniform shrinks, layer-removed and random heterogeneous models the engine serves.
 
-    ffn widths come from the search's option grid (``ffn_grid``: what the search can return);
-    widths between grid points are interpolated by the table but not validated here.
+    Attention options and ffn widths are the search's own (``costs.profile.grid.dense_options``:
+    what the search can return, what the table was profiled at); ``caps`` are the capabilities the
+    search runs under.
     """
     if not parent.is_dense_layered():  # MoE / Mamba hybrids: children drawn from the hybrid search space
-        from autocompress_nemo.stages_hybrid import validation_candidates
-
-        return validation_candidates(parent, caps, min(n_random, 6), seed, ffn_points)
+        return hybrid_candidates(parent, caps, min(n_random, 6), seed, ffn_points)
+    caps = capabilities_of(caps)
     rng = random.Random(seed)
     layers = parent.layers()
     a_p, m_p = layers[0]
-    grid = ffn_grid(m_p.ffn, ffn_points, int(_cap(caps, "ffn_align", 1)), bool(_cap(caps, "vary_ffn")))
+    attn, ffns = dense_options(parent, caps, ffn_points)
+    grid = [m.ffn for m in ffns]
 
     def w(frac: float) -> int:
         return min(grid, key=lambda g: abs(g - m_p.ffn * frac))
 
-    attn = attention_grid(a_p, caps)
     out = [parent.replace(name="parent")]
-    if _cap(caps, "vary_ffn"):
+    if caps.vary_ffn:
         out += [
             _layered(parent, [(a_p, MlpBlock(w(f), m_p.activation))] * len(layers), f"uniform_ffn{w(f)}")
             for f in (0.75, 0.5)
@@ -66,7 +67,7 @@ def candidates(parent: ArchSpec, caps: Any, n_random: int = 8, seed: int = 0, ff
                 f"uniform_{smaller[-1].num_heads}h_ffn{w(0.66)}",
             )
         )
-    if _cap(caps, "remove_attention") and _cap(caps, "remove_mlp"):
+    if caps.remove_attention and caps.remove_mlp:
         drop = set(rng.sample(range(1, len(layers) - 1), k=max(1, len(layers) // 5)))
         empty = (AttentionBlock(0, 0, a_p.head_dim), MlpBlock(0, m_p.activation))
         out.append(
@@ -78,17 +79,37 @@ def candidates(parent: ArchSpec, caps: Any, n_random: int = 8, seed: int = 0, ff
         mix = []
         for i in range(len(layers)):
             a = rng.choice(attn)
-            if _cap(caps, "remove_attention") and rng.random() < 0.2:
+            if caps.remove_attention and rng.random() < 0.2:
                 a = AttentionBlock(0, 0, a_p.head_dim)
             ffn = rng.choice(grid)
-            if _cap(caps, "remove_mlp") and rng.random() < 0.12:
+            if caps.remove_mlp and rng.random() < 0.12:
                 ffn = 0
-            if i == 0 and _cap(caps, "first_block_full"):
+            if i == 0 and caps.first_block_full:
                 a = a if not a.removed else a_p
             mix.append((a, MlpBlock(ffn, m_p.activation)))
         spec = _layered(parent, mix, f"mix{len(out)}")
         if not capability_problems(spec, caps, parent):
             out.append(spec)
+    return out
+
+
+def hybrid_candidates(
+    parent: ArchSpec, caps: Any, n_random: int = 6, seed: int = 0, ffn_points: int = 8
+) -> list[ArchSpec]:
+    """The parent, the smallest servable child, a uniform middle and random children of the hybrid
+    search space (per-block options drawn independently), for predicted-vs-measured validation."""
+    from autocompress_nemo.search.space import apply_choices, build_space
+
+    rng = random.Random(seed)
+    decisions = build_space(parent, caps, ffn_points)
+    out = [
+        parent.replace(name="parent"),
+        apply_choices(parent, decisions, [min(1, len(d.options) - 1) for d in decisions]).replace(name="smallest"),
+        apply_choices(parent, decisions, [len(d.options) // 2 for d in decisions]).replace(name="middle"),
+    ]
+    for i in range(n_random):
+        choice = [rng.randrange(len(d.options)) for d in decisions]
+        out.append(apply_choices(parent, decisions, choice).replace(name=f"random{i}"))
     return out
 
 

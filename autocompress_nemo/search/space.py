@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.config.schema import capabilities_of
 
 
 @dataclass(frozen=True)
@@ -30,29 +31,33 @@ class Decision:
         return len(self.options) - 1
 
 
-def _cap(caps: Any, name: str, default: Any = False) -> Any:
-    if caps is None:
-        return default
-    return caps.get(name, default) if isinstance(caps, dict) else getattr(caps, name, default)
+def levels(parent: int, n: int, align: int = 1, minimum: int = 1) -> list[int]:
+    """``{parent} U {floor(parent*i/n / align)*align, i=1..n-1}`` that are ``>= minimum``, ascending."""
+    align = max(1, int(align))
+    out = {parent}
+    for i in range(1, max(1, n)):
+        w = (parent * i // n) // align * align
+        if w >= max(1, minimum):
+            out.add(w)
+    return sorted(out)
 
 
 def ffn_widths(parent_ffn: int, n_options: int, align: int, allow_zero: bool) -> list[int]:
-    """The profiler's ffn grid (the widths the cost table was measured at), plus 0 when the
-    block may be removed."""
-    from autocompress_nemo.costs.profiler import ffn_grid
-
-    return ([0] if allow_zero else []) + ffn_grid(parent_ffn, n_options, align, True)
+    """The ffn grid: ``levels(parent_ffn, n_options, align)`` (the widths the cost table is profiled
+    at, ``costs/profile/grid.py``), plus 0 when the block may be removed."""
+    return ([0] if allow_zero else []) + levels(parent_ffn, n_options, align)
 
 
 def attention_options(parent: AttentionBlock, caps: Any, allow_remove: bool) -> list[AttentionBlock]:
     """(groups, heads per group) prefixes the engine can serve, ordered by kept query heads."""
+    caps = capabilities_of(caps)
     hpg = parent.heads_per_group
-    vary_q = _cap(caps, "vary_query_heads")
+    vary_q = caps.vary_query_heads
     # Dropping KV groups by prefix drops their query heads too, so it needs per-layer query
     # heads. Engines that keep query heads global (TensorRT-LLM / vLLM DeciLM) would need KV
     # heads merged instead of sliced, which this build does not do: there attention is kept
     # whole or removed.
-    vary_groups = _cap(caps, "vary_kv_groups") and vary_q
+    vary_groups = caps.vary_kv_groups and vary_q
     groups = range(1, parent.num_kv_groups + 1) if vary_groups else [parent.num_kv_groups]
     per_group = range(1, hpg + 1) if vary_q else [hpg]
     opts = {AttentionBlock(g * q, g, parent.head_dim) for g, q in itertools.product(groups, per_group)}
@@ -77,6 +82,7 @@ def build_space(parent: ArchSpec, caps: Any, ffn_options: int = 8) -> list[Decis
       be left alone), so ffn removal is not offered;
     - ``ffn_align``: ffn widths are multiples of it.
     """
+    caps = capabilities_of(caps)
     if not parent.is_dense_layered() and parent.kinds() & {"moe", "mamba"}:
         # MoE / Mamba hybrids: search/space_hybrid.py (H7)
         from autocompress_nemo.search.space_hybrid import build_hybrid_space
@@ -91,17 +97,13 @@ def build_space(parent: ArchSpec, caps: Any, ffn_options: int = 8) -> list[Decis
     n = len(layers)
     decisions: list[Decision] = []
     for li, (attn, mlp) in enumerate(layers):
-        allow_rm_attn = bool(_cap(caps, "remove_attention")) and not (li == 0 and _cap(caps, "first_block_full"))
+        allow_rm_attn = caps.remove_attention and not (li == 0 and caps.first_block_full)
         a_opts = attention_options(attn, caps, allow_rm_attn)
         if len(a_opts) > 1:
             decisions.append(Decision(2 * li, "attention", tuple(a_opts)))
-        allow_rm_mlp = (
-            bool(_cap(caps, "remove_mlp"))
-            and not (li == n - 1 and _cap(caps, "last_block_full"))
-            and not _cap(caps, "attention_needs_ffn")
-        )
-        if _cap(caps, "vary_ffn"):
-            widths = ffn_widths(mlp.ffn, ffn_options, int(_cap(caps, "ffn_align", 1)), allow_rm_mlp)
+        allow_rm_mlp = caps.remove_mlp and not (li == n - 1 and caps.last_block_full) and not caps.attention_needs_ffn
+        if caps.vary_ffn:
+            widths = ffn_widths(mlp.ffn, ffn_options, caps.ffn_align, allow_rm_mlp)
         else:
             widths = ([0] if allow_rm_mlp else []) + [mlp.ffn]
         if len(widths) > 1:

@@ -43,8 +43,9 @@ from typing import Any
 
 from autocompress_nemo.arch.counts import block_params
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.config.schema import capabilities_of
 from autocompress_nemo.costs.table import moe_parts
-from autocompress_nemo.search.space import Decision, _cap, attention_options, ffn_widths
+from autocompress_nemo.search.space import Decision, attention_options, ffn_widths, levels
 
 
 @dataclass(frozen=True)
@@ -69,17 +70,6 @@ class PartDecision(Decision):
         return option
 
 
-def levels(parent: int, n: int, align: int = 1, minimum: int = 1) -> list[int]:
-    """``{parent} U {floor(parent*i/n / align)*align, i=1..n-1}`` that are ``>= minimum``, ascending."""
-    align = max(1, int(align))
-    out = {parent}
-    for i in range(1, max(1, n)):
-        w = (parent * i // n) // align * align
-        if w >= max(1, minimum):
-            out.add(w)
-    return sorted(out)
-
-
 def topk_levels(k: int, min_k: int) -> list[int]:
     return sorted({k} | {max(min_k, math.ceil(k * i / 4)) for i in (2, 3)})
 
@@ -92,20 +82,15 @@ def min_top_k(spec: ArchSpec) -> int:
 
 def moe_routed_options(parent: MoeBlock, spec: ArchSpec, caps: Any, n_levels: int = 4) -> list[MoeBlock]:
     """Joint routed options (see module docstring), smallest first, the parent's last."""
+    caps = capabilities_of(caps)
     routed, _ = moe_parts(parent)
-    e_align = int(_cap(caps, "expert_align", 1) or 1)
-    mk = min_top_k(spec)
-    ks = topk_levels(parent.top_k, mk) if _cap(caps, "vary_top_k") else [parent.top_k]
+    ks = topk_levels(parent.top_k, min_top_k(spec)) if caps.vary_top_k else [parent.top_k]
     es = (
-        levels(parent.num_experts, n_levels, e_align, minimum=min(ks))
-        if _cap(caps, "vary_experts")
+        levels(parent.num_experts, n_levels, caps.expert_align, minimum=min(ks))
+        if caps.vary_experts
         else [parent.num_experts]
     )
-    fs = (
-        levels(parent.expert_ffn, n_levels, int(_cap(caps, "ffn_align", 1) or 1))
-        if _cap(caps, "vary_expert_ffn")
-        else [parent.expert_ffn]
-    )
+    fs = levels(parent.expert_ffn, n_levels, caps.ffn_align) if caps.vary_expert_ffn else [parent.expert_ffn]
     opts = {
         dataclasses.replace(routed, num_experts=e, expert_ffn=f, top_k=k)
         for e, f, k in itertools.product(es, fs, ks)
@@ -123,25 +108,27 @@ def moe_routed_options(parent: MoeBlock, spec: ArchSpec, caps: Any, n_levels: in
     )
     ordered.remove(routed)
     ordered.append(routed)
-    if _cap(caps, "remove_moe"):
+    if caps.remove_moe:
         ordered.insert(0, dataclasses.replace(routed, num_experts=0, expert_ffn=0, top_k=0, latent=0))
     return ordered
 
 
 def moe_shared_options(parent: MoeBlock, caps: Any, n_levels: int = 4) -> list[MoeBlock]:
+    caps = capabilities_of(caps)
     _, shared = moe_parts(parent)
-    if not parent.shared_ffn or not _cap(caps, "vary_shared_ffn"):
+    if not parent.shared_ffn or not caps.vary_shared_ffn:
         return [shared]
-    widths = [0] + levels(parent.shared_ffn, n_levels, int(_cap(caps, "ffn_align", 1) or 1))
+    widths = [0] + levels(parent.shared_ffn, n_levels, caps.ffn_align)
     return [dataclasses.replace(shared, shared_ffn=w) for w in widths]
 
 
 def mamba_options(parent: MambaBlock, caps: Any) -> list[MambaBlock]:
     """Whole groups: ``G' * H/G`` heads for ``G' = 1..G`` (0 when ``remove_mamba``)."""
+    caps = capabilities_of(caps)
     hpg = parent.num_heads // parent.num_groups
-    groups = range(1, parent.num_groups + 1) if _cap(caps, "vary_mamba_heads") else [parent.num_groups]
+    groups = range(1, parent.num_groups + 1) if caps.vary_mamba_heads else [parent.num_groups]
     opts = [dataclasses.replace(parent, num_heads=g * hpg, num_groups=g) for g in groups]
-    if _cap(caps, "remove_mamba"):
+    if caps.remove_mamba:
         opts.insert(0, dataclasses.replace(parent, num_heads=0))
     return opts
 
@@ -149,20 +136,21 @@ def mamba_options(parent: MambaBlock, caps: Any) -> list[MambaBlock]:
 def build_hybrid_space(parent: ArchSpec, caps: Any, ffn_options: int = 8, moe_levels: int = 4) -> list[Decision]:
     """Decisions for every block of a hybrid / MoE parent (see module docstring); blocks whose
     only option is the parent's get no decision."""
+    caps = capabilities_of(caps)
     decisions: list[Decision] = []
     n = len(parent.blocks)
     for i, b in enumerate(parent.blocks):
         if b.removed:
             continue
         if isinstance(b, AttentionBlock):
-            allow = bool(_cap(caps, "remove_attention")) and not (i == 0 and _cap(caps, "first_block_full"))
+            allow = caps.remove_attention and not (i == 0 and caps.first_block_full)
             opts: list[Any] = attention_options(b, caps, allow)
             kind = "attention"
         elif isinstance(b, MlpBlock):
-            allow = bool(_cap(caps, "remove_mlp")) and not (i == n - 1 and _cap(caps, "last_block_full"))
+            allow = caps.remove_mlp and not (i == n - 1 and caps.last_block_full)
             widths = (
-                ffn_widths(b.ffn, ffn_options, int(_cap(caps, "ffn_align", 1)), allow)
-                if _cap(caps, "vary_ffn")
+                ffn_widths(b.ffn, ffn_options, caps.ffn_align, allow)
+                if caps.vary_ffn
                 else ([0] if allow else []) + [b.ffn]
             )
             opts, kind = [MlpBlock(w, b.activation) for w in widths], "mlp"

@@ -22,6 +22,13 @@ from typing import Any
 import numpy as np
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
+from autocompress_nemo.config.schema import (
+    EngineCapabilities,
+    EngineConfig,
+    EngineSettings,
+    capabilities_of,
+    engine_config_of,
+)
 
 MEMORY_PARTS = ("weights", "kv", "compute", "output", "state")
 
@@ -112,40 +119,36 @@ class Measurement:
         return d
 
 
-def _cap(caps: Any, name: str, default: Any = False) -> Any:
-    if caps is None:
-        return default
-    return caps.get(name, default) if isinstance(caps, dict) else getattr(caps, name, default)
-
-
 def capability_problems(spec: ArchSpec, caps: Any, parent: ArchSpec | None = None) -> list[str]:
     """Reasons ``spec`` violates the declared capabilities (empty list: servable).
 
+    ``caps``: ``EngineCapabilities`` or a dict / config node of its keys (``capabilities_of``).
     When ``parent`` is given, per-block differences are judged against it (vary_* flags);
     otherwise against the first block of each kind.
     """
+    caps = capabilities_of(caps)
     out: list[str] = []
-    kinds = set(_cap(caps, "block_kinds", ["attention", "mlp"]))
+    kinds = set(caps.block_kinds)
     for k in sorted(spec.kinds() - kinds):
         out.append(f"block kind {k!r} is not served (engine runs {sorted(kinds)})")
     ref: dict[str, Any] = {}
     for b in parent.blocks if parent else spec.blocks:
         if not b.removed:
             ref.setdefault(b.kind, b)
-    align = int(_cap(caps, "ffn_align", 1)) or 1
+    align = max(1, caps.ffn_align)
     for i, b in enumerate(spec.blocks):
         r = ref.get(b.kind)
         if isinstance(b, AttentionBlock):
             if b.removed:
-                if not _cap(caps, "remove_attention"):
+                if not caps.remove_attention:
                     out.append(f"block {i}: removed attention is not served (remove_attention=False)")
                 continue
-            if r is not None and b.num_heads != r.num_heads and not _cap(caps, "vary_query_heads"):
+            if r is not None and b.num_heads != r.num_heads and not caps.vary_query_heads:
                 out.append(
                     f"block {i}: {b.num_heads} query heads differ from the parent's {r.num_heads} "
                     "(vary_query_heads=False: per-layer query heads are not served)"
                 )
-            if r is not None and b.num_kv_groups != r.num_kv_groups and not _cap(caps, "vary_kv_groups"):
+            if r is not None and b.num_kv_groups != r.num_kv_groups and not caps.vary_kv_groups:
                 out.append(
                     f"block {i}: {b.num_kv_groups} KV groups differ from the parent's {r.num_kv_groups} "
                     "(vary_kv_groups=False)"
@@ -154,22 +157,22 @@ def capability_problems(spec: ArchSpec, caps: Any, parent: ArchSpec | None = Non
                 out.append(f"block {i}: head_dim {b.head_dim} differs from {r.head_dim} (one head_dim per model)")
         elif isinstance(b, MlpBlock):
             if b.removed:
-                if not _cap(caps, "remove_mlp"):
+                if not caps.remove_mlp:
                     out.append(f"block {i}: removed mlp is not served (remove_mlp=False)")
                 continue
-            if r is not None and b.ffn != r.ffn and not _cap(caps, "vary_ffn"):
+            if r is not None and b.ffn != r.ffn and not caps.vary_ffn:
                 out.append(f"block {i}: ffn {b.ffn} differs from {r.ffn} (vary_ffn=False)")
             if b.ffn % align and (r is None or b.ffn != r.ffn):
                 out.append(f"block {i}: ffn {b.ffn} is not a multiple of ffn_align={align}")
-        elif b.removed and not _cap(caps, f"remove_{b.kind}"):
+        elif b.removed and not getattr(caps, f"remove_{b.kind}"):
             out.append(f"block {i}: removed {b.kind} is not served (remove_{b.kind}=False)")
     if spec.is_dense_layered():
         layers = spec.layers()
-        if _cap(caps, "first_block_full") and layers and layers[0][0].removed:
+        if caps.first_block_full and layers and layers[0][0].removed:
             out.append("layer 0 has no attention (first_block_full: llama.cpp deci fails to load it)")
-        if _cap(caps, "last_block_full") and layers and layers[-1][1].removed:
+        if caps.last_block_full and layers and layers[-1][1].removed:
             out.append(f"layer {len(layers) - 1} (last) has no ffn (last_block_full: llama.cpp deci crashes)")
-        if _cap(caps, "attention_needs_ffn"):
+        if caps.attention_needs_ffn:
             for j, (a, m) in enumerate(layers):
                 if not a.removed and m.removed:
                     out.append(
@@ -184,25 +187,35 @@ def capability_problems(spec: ArchSpec, caps: Any, parent: ArchSpec | None = Non
 class Engine:
     """Base class of the engine adapters.
 
-    ``cfg`` is the target's ``engine`` section (``config/schema.py::EngineConfig``),
-    ``hardware`` its ``hardware`` section. Subclasses implement ``measure`` and may add
-    engine-specific checks to ``check_servable``.
+    ``cfg`` is the target's ``engine`` section, kept typed (``config/schema.py::EngineConfig``, its
+    ``settings`` and ``capabilities`` read as attributes), ``hardware`` its ``hardware`` section.
+    Subclasses implement ``measure`` and may add engine-specific checks to ``check_servable``.
     """
 
     name = "base"
     estimated = False
+    decode_steps = 64
+    """Timed decode steps when ``settings.decode_steps`` is 0."""
 
     def __init__(self, cfg: Any, hardware: Any = None) -> None:
-        self.cfg = cfg
+        self.cfg: EngineConfig = engine_config_of(cfg)
         self.hardware = hardware
 
     @property
-    def capabilities(self) -> Any:
+    def capabilities(self) -> EngineCapabilities:
         return self.cfg.capabilities
 
-    def setting(self, key: str, default: Any) -> Any:
-        s = getattr(self.cfg, "settings", None) or {}
-        return s.get(key, default) if hasattr(s, "get") else default
+    @property
+    def settings(self) -> EngineSettings:
+        return self.cfg.settings
+
+    def timed_decode_steps(self) -> int:
+        """``settings.decode_steps``, or this engine's default when it is 0."""
+        return self.settings.decode_steps or self.decode_steps
+
+    def decode_context(self, workload: Workload) -> int:
+        """The KV length a timed decode step sees (``settings.decode_context``)."""
+        return workload.decode_context(self.settings.decode_context)
 
     def check_servable(self, spec: ArchSpec, parent: ArchSpec | None = None) -> list[str]:
         """Reasons ``spec`` cannot be served (empty: servable)."""
@@ -237,10 +250,10 @@ class Engine:
             "engine": self.name,
             "engine_version": self.version(),
             "device": self.device(),
-            "threads": int(getattr(self.cfg, "threads", 0)),
+            "threads": int(self.cfg.threads),
             "dtype": str(self.cfg.dtype),
-            "kv_dtype": str(getattr(self.cfg, "kv_dtype", "f16")),
-            "flash_attn": bool(getattr(self.cfg, "flash_attn", True)),
+            "kv_dtype": str(self.cfg.kv_dtype),
+            "flash_attn": bool(self.cfg.flash_attn),
             "estimated": self.estimated,
         }
 
@@ -253,13 +266,13 @@ class CpuTimedEngine(Engine):
     provenance fields a cost table must match."""
 
     def threads(self) -> int:
-        t = int(getattr(self.cfg, "threads", 0) or 0)
+        t = int(self.cfg.threads or 0)
         if not t and self.hardware is not None:
             t = int(getattr(self.hardware, "threads", 0) or 0)
         return t or (os.cpu_count() or 1)
 
     def clock(self) -> str:
-        c = str(self.setting("clock", "auto"))
+        c = self.settings.clock
         if c == "auto":
             return "thread_cpu" if self.threads() == 1 else "wall"
         if c not in ("wall", "thread_cpu"):

@@ -121,7 +121,7 @@ class HfLlmEngine(Engine):
         llm, params_cls, log = self._make_llm(d, workload)
         rng = np.random.default_rng(0)
         prompts = [rng.integers(10, spec.vocab - 10, size=workload.input_len).tolist() for _ in range(workload.batch)]
-        n = int(self.setting("decode_steps", 64))
+        n = self.timed_decode_steps()
 
         def gen(max_tokens: int) -> float:
             p = params_cls(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, ignore_eos=True)

@@ -94,6 +94,7 @@ def parse_memory_log(text: str) -> dict[str, float]:
 
 class LlamaCppEngine(CpuTimedEngine):
     name = "llama_cpp"
+    decode_steps = 160
 
     def __init__(self, cfg: Any, hardware: Any = None, workdir: str | Path | None = None) -> None:
         super().__init__(cfg, hardware)
@@ -155,7 +156,7 @@ class LlamaCppEngine(CpuTimedEngine):
         """
         from autocompress_nemo.export.gguf import write_gguf
 
-        rounds = int(rounds or self.setting("rounds", 2))
+        rounds = int(rounds or self.settings.rounds)
         weights = weights or [None] * len(specs)
         given = gguf_paths or [None] * len(specs)
         paths: list[Path] = []
@@ -171,8 +172,8 @@ class LlamaCppEngine(CpuTimedEngine):
         raws: list[dict[str, list[float]]] = [{} for _ in specs]
         mems: list[dict[str, float]] = [{} for _ in specs]
         walls = [0.0] * len(specs)
-        per_round_p = max(1, -(-int(getattr(self.cfg, "repeats", 5)) // rounds))
-        per_round_d = max(4, -(-int(self.setting("decode_steps", 160)) // rounds))
+        per_round_p = max(1, -(-int(self.cfg.repeats) // rounds))
+        per_round_d = max(4, -(-self.timed_decode_steps() // rounds))
         try:
             for r in range(rounds):
                 order = list(range(len(specs)))
@@ -192,7 +193,7 @@ class LlamaCppEngine(CpuTimedEngine):
             for i, p in enumerate(paths):
                 if given[i] is None:
                     p.unlink(missing_ok=True)
-        pct = float(getattr(self.cfg, "percentile", 10.0))
+        pct = float(self.cfg.percentile)
         out = []
         for i in range(len(specs)):
             raw = raws[i] if timing else {}
@@ -217,11 +218,11 @@ class LlamaCppEngine(CpuTimedEngine):
         cp = L.llama_context_default_params()
         cp.n_ctx = wl.context_len * wl.batch  # llama.cpp shares n_ctx cells among the sequences
         cp.n_seq_max = wl.batch
-        cp.n_batch = max(int(self.setting("n_batch", 2048)), wl.input_len * wl.batch)
-        cp.n_ubatch = int(self.setting("n_ubatch", 512))
+        cp.n_batch = max(self.settings.n_batch, wl.input_len * wl.batch)
+        cp.n_ubatch = self.settings.n_ubatch
         cp.n_threads = cp.n_threads_batch = self.threads()
-        cp.flash_attn_type = 1 if bool(getattr(self.cfg, "flash_attn", True)) else 0
-        cp.type_k = cp.type_v = _ggml_type(str(getattr(self.cfg, "kv_dtype", "f16")))
+        cp.flash_attn_type = 1 if self.cfg.flash_attn else 0
+        cp.type_k = cp.type_v = _ggml_type(str(self.cfg.kv_dtype))
         cp.no_perf = True
         ctx = L.llama_init_from_model(model, cp)
         if not ctx:
@@ -240,7 +241,7 @@ class LlamaCppEngine(CpuTimedEngine):
     def _time(self, L: Any, ctx: Any, vocab: int, wl: Workload, repeats: int, steps: int) -> dict[str, list[float]]:
         rng = np.random.default_rng(0)
         mem = L.llama_get_memory(ctx)
-        n_batch = max(int(self.setting("n_batch", 2048)), wl.input_len * wl.batch)
+        n_batch = max(self.settings.n_batch, wl.input_len * wl.batch)
         batch = L.llama_batch_init(n_batch, 0, wl.batch)
 
         wall: dict[str, list[float]] = {"prefill_ms": [], "decode_ms": []}
@@ -280,13 +281,13 @@ class LlamaCppEngine(CpuTimedEngine):
                 if r:
                     prefill.append(dt)
             # fill to the decode context C, then time steps at position C
-            c = wl.decode_context(str(self.setting("decode_context", "mean")))
+            c = self.decode_context(wl)
             L.llama_memory_clear(mem, True)
             for start in range(0, c, n_batch):
                 run(prompt(min(n_batch, c - start), start, 1))
             for s in range(1, wl.batch):
                 L.llama_memory_seq_cp(mem, 0, s, -1, -1)
-            warm = int(self.setting("decode_warmup", 4))
+            warm = self.settings.decode_warmup
             decode: list[float] = []
             for step in range(steps + warm):
                 toks = rng.integers(0, vocab, size=wl.batch)

@@ -61,7 +61,7 @@ class RooflineEngine(Engine):
                 f"roofline estimate needs hardware.peak_tflops and hardware.mem_bandwidth_gbs "
                 f"(hardware {getattr(hardware, 'name', '?')!r} has {peak} TFLOP/s, {bw} GB/s); set them from the datasheet"
             )
-        eff = float(self.setting("efficiency", 0.7))
+        eff = float(self.settings.efficiency)
         self.flops_per_ms = peak * 1e12 * eff / 1e3
         self.bytes_per_ms = bw * 1e9 * eff / 1e3
 
@@ -77,7 +77,7 @@ class RooflineEngine(Engine):
             return 0.0, 0.0
         bw = mem.bytes_per_element(str(self.cfg.dtype))
         bkv = mem.bytes_per_element(str(self.cfg.kv_dtype))
-        c = wl.decode_context(str(self.setting("decode_context", "mean")))
+        c = self.decode_context(wl)
         active = block_params(b, hidden, active=True)
         pf_flops, pf_bytes = 2.0 * active * wl.batch * wl.input_len, block_params(b, hidden) * bw
         dc_flops = 2.0 * active * wl.batch
@@ -117,7 +117,7 @@ class RooflineEngine(Engine):
             p, d = self.block_ms(b, spec.hidden, workload)
             pf, dc = pf + p, dc + d
         dtype, kv = str(self.cfg.dtype), str(self.cfg.kv_dtype)
-        tokens = int(self.setting("max_num_tokens", workload.input_len * workload.batch))
+        tokens = self.settings.max_num_tokens or workload.input_len * workload.batch
         memory = {
             "weights": mem.weight_bytes(spec, dtype, norm_dtype=dtype),
             "kv": mem.kv_cache_bytes(spec, workload.context_len, workload.batch, kv),
@@ -136,8 +136,7 @@ def analytic_table(engine: RooflineEngine, parent: ArchSpec, workload: Workload,
     MoE blocks as their two parts (``table.moe_parts``). Intercept = the LM head; no per-layer
     overhead; workspace = ``memory.workspace_estimate`` at the prefill tokens (a constant).
     Provenance says ``estimated: true`` and the label "estimated, not measured"."""
-    from autocompress_nemo.costs.profiler import expected_settings
-    from autocompress_nemo.costs.table import CostTable, make_provenance, moe_parts
+    from autocompress_nemo.costs.table import CostTable, expected_settings, make_provenance, moe_parts
 
     seen: dict[Block, dict[str, Any]] = {}
     for b in [*options, *parent.blocks]:
@@ -148,7 +147,7 @@ def analytic_table(engine: RooflineEngine, parent: ArchSpec, workload: Workload,
             seen[p] = {"block": p.__dict__, "prefill_ms": pf, "decode_ms": dc, "source": "roofline"}
     pf, dc = engine.outside_ms(parent, workload)
     dtype = str(engine.cfg.dtype)
-    tokens = int(engine.setting("max_num_tokens", workload.input_len * workload.batch))
+    tokens = engine.settings.max_num_tokens or workload.input_len * workload.batch
     work = mem.workspace_estimate(parent, min(tokens, workload.input_len * workload.batch))
     memory = {
         "output_bytes": float(mem.output_buffer_bytes(parent.vocab, workload.batch)),
@@ -162,7 +161,7 @@ def analytic_table(engine: RooflineEngine, parent: ArchSpec, workload: Workload,
     prov = make_provenance(
         {**engine.provenance(), "estimated": True},
         workload.__dict__,
-        workload.decode_context(str(engine.setting("decode_context", "mean"))),
+        engine.decode_context(workload),
         expected_settings(engine.cfg),
         parent,
     )

@@ -182,6 +182,7 @@ def _cache_bytes(cache: Any) -> tuple[float, float]:
 
 class TorchEagerEngine(CpuTimedEngine):
     name = "torch_eager"
+    decode_steps = 60
 
     def __init__(self, cfg: Any, hardware: Any = None, workdir: Any = None) -> None:
         super().__init__(cfg, hardware)
@@ -240,12 +241,12 @@ class TorchEagerEngine(CpuTimedEngine):
         Many short rounds spread slow drift of a shared machine over all models alike."""
         from autocompress_nemo.models.hybrid.state_dict import random_hf_state_dict
 
-        rounds = int(rounds or self.setting("rounds", 2))
+        rounds = int(rounds or self.settings.rounds)
         weights = weights or [None] * len(specs)
         for s in specs:
             self.require_servable(s)
-        per_round_p = max(1, -(-int(getattr(self.cfg, "repeats", 5)) // rounds))
-        per_round_d = max(2, -(-int(self.setting("decode_steps", 60)) // rounds))
+        per_round_p = max(1, -(-int(self.cfg.repeats) // rounds))
+        per_round_d = max(2, -(-self.timed_decode_steps() // rounds))
         raws: list[dict[str, list[float]]] = [{} for _ in specs]
         mems: list[dict[str, float]] = [{} for _ in specs]
         walls = [0.0] * len(specs)
@@ -261,9 +262,7 @@ class TorchEagerEngine(CpuTimedEngine):
                         if sd is None:
                             sd = random_hf_state_dict(specs[i], seed=0)
                         sd = {k: torch.as_tensor(v) for k, v in sd.items()}
-                        model = hf_eager_model(
-                            specs[i], sd, mn, str(self.setting("attn_implementation", "sdpa")), self._dtype()
-                        )
+                        model = hf_eager_model(specs[i], sd, mn, self.settings.attn_implementation, self._dtype())
                         live[i] = _Live(model, specs[i], workload, self, self.clock() == "thread_cpu")
                         mems[i] = live[i].memory
                         walls[i] += time.time() - t
@@ -283,7 +282,7 @@ class TorchEagerEngine(CpuTimedEngine):
                     del live
         finally:
             torch.set_num_threads(old_threads)
-        pct = float(getattr(self.cfg, "percentile", 10.0))
+        pct = float(self.cfg.percentile)
         out = []
         for i in range(len(specs)):
             raw = raws[i] if timing else {}
@@ -296,7 +295,7 @@ class TorchEagerEngine(CpuTimedEngine):
         """Consecutive groups of models whose weights together fit ``settings.hold_bytes``."""
         from autocompress_nemo.arch.counts import block_params, embedding_params
 
-        cap = float(self.setting("hold_bytes", 2 * 2**30))
+        cap = float(self.settings.hold_bytes)
         per = torch.tensor([], dtype=self._dtype()).element_size()
         groups: list[list[int]] = [[]]
         used = 0.0
@@ -324,13 +323,13 @@ class _Live:
 
         self.model, self.spec, self.wl, self.cpu_clock = model, spec, wl, cpu_clock
         self.gen = torch.Generator().manual_seed(0)
-        self.warm = int(engine.setting("decode_warmup", 4))
-        self.c = wl.decode_context(str(engine.setting("decode_context", "mean")))
+        self.warm = engine.settings.decode_warmup
+        self.c = engine.decode_context(wl)
         _, self.cache = self._fwd(self._toks(self.c), None)
         _, state = _cache_bytes(self.cache)
         self.memory: dict[str, float] = {
             "weights": float(sum(p.numel() * p.element_size() for p in model.parameters())),
-            "kv": cmem.kv_cache_bytes(spec, wl.context_len, wl.batch, str(getattr(engine.cfg, "kv_dtype", "f32"))),
+            "kv": cmem.kv_cache_bytes(spec, wl.context_len, wl.batch, str(engine.cfg.kv_dtype)),
             "state": state,
             "compute": 0.0,
             "output": float(cmem.output_buffer_bytes(spec.vocab, wl.batch)),

@@ -25,6 +25,8 @@ from autocompress_nemo.costs.engines.base import Workload
 from autocompress_nemo.costs.engines.hf_llm import HfLlmEngine
 
 _GIB = 1024.0**3
+MAX_NUM_TOKENS = 8192
+"""Chunked-prefill token budget per step when ``settings.max_num_tokens`` is 0 (the dry-run plan's too)."""
 
 
 class TrtllmEngine(HfLlmEngine):
@@ -46,14 +48,14 @@ class TrtllmEngine(HfLlmEngine):
         with redirect_stdout(buf):
             llm = LLM(
                 model=str(model_dir),
-                backend=str(self.setting("backend", "pytorch")),
+                backend=self.settings.backend,
                 load_format="dummy",
                 skip_tokenizer_init=True,
                 dtype={"bf16": "bfloat16", "f16": "float16"}.get(str(self.cfg.dtype), "auto"),
-                tensor_parallel_size=int(getattr(self.cfg, "tensor_parallel", 1) or 1),
+                tensor_parallel_size=max(1, self.cfg.tensor_parallel),
                 max_batch_size=max(1, wl.batch),
                 max_seq_len=wl.context_len,
-                max_num_tokens=int(self.setting("max_num_tokens", 8192)),
+                max_num_tokens=self.settings.max_num_tokens or MAX_NUM_TOKENS,
                 kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=float(self.cfg.kv_cache_fraction)),
             )
         return llm, SamplingParams, buf.getvalue

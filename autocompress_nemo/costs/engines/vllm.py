@@ -59,9 +59,9 @@ class VllmEngine(HfLlmEngine):
             max_model_len=wl.context_len,
             max_num_seqs=max(wl.batch, 1),
             gpu_memory_utilization=float(self.cfg.kv_cache_fraction),
-            tensor_parallel_size=int(getattr(self.cfg, "tensor_parallel", 1) or 1),
-            max_num_batched_tokens=int(self.setting("max_num_batched_tokens", max(8192, wl.input_len * wl.batch))),
-            enforce_eager=bool(self.setting("enforce_eager", False)),
+            tensor_parallel_size=max(1, self.cfg.tensor_parallel),
+            max_num_batched_tokens=self.settings.max_num_batched_tokens or max(8192, wl.input_len * wl.batch),
+            enforce_eager=self.settings.enforce_eager,
             trust_remote_code=False,
         )
         return llm, SamplingParams, lambda: "\n".join(cap.lines)

@@ -1,4 +1,4 @@
-"""Per-block costs of a hybrid cost table fitted by least squares over many profiling models.
+"""The least-squares design for hybrid parents: per-block costs fitted over many children of the search space.
 
 Why: a cost entry that is one difference of two timed models ``(T(parent + k X) - T(parent)) / k``
 carries the noise of two measurements, divided by ``k`` only, and every entry is fitted to a model
@@ -31,17 +31,27 @@ number of unknowns.
 Reported (the table's ``provenance.fit``): per phase the in-sample relative residuals (RMS, max)
 and the leave-one-out ones (each model predicted by a fit without it: an honest estimate of the
 error on unseen children), the design's rank and condition number.
+
+Profiling models (``hybrid_fit``): the parent + ``N`` balanced random children of the search space
+(``N = engine.settings.profile_models``, default ``profile_models_per_unknown`` x the unknowns), in one
+interleaved session; children the engine cannot serve are skipped.
 """
 
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from autocompress_nemo.arch.spec import ArchSpec, MoeBlock
+from autocompress_nemo.costs.engines.base import Engine, Workload
+from autocompress_nemo.costs.profile.provenance import progress, run_row
+from autocompress_nemo.costs.table import PHASES, moe_parts, spec_hash
+from autocompress_nemo.search.space import apply_choices, build_space
 
 
 def balanced_choices(sizes: list[int], n: int, seed: int) -> list[list[int]]:
@@ -62,8 +72,6 @@ def balanced_choices(sizes: list[int], n: int, seed: int) -> list[list[int]]:
 def entry_parts(b: Any) -> list[Any]:
     """The table entries a block uses (``CostTable.block_latency``): none when removed, a MoE block's
     non-removed parts, otherwise the block itself."""
-    from autocompress_nemo.costs.table import moe_parts
-
     if b.removed:
         return []
     if isinstance(b, MoeBlock):
@@ -150,3 +158,79 @@ def fit_costs(counts: np.ndarray, y: np.ndarray, lam: float = 1e-8, loo: bool = 
         rank=rank,
         cond=float(sv[0] / sv[rank - 1]),
     )
+
+
+def hybrid_fit(
+    engine: Engine,
+    parent: ArchSpec,
+    workload: Workload,
+    options: list[Any],
+    caps: Any,
+    ffn_points: int,
+    log: Callable[[str], None],
+) -> tuple[list[ArchSpec], list[Any], list[dict[str, Any]], dict[str, float], list[dict[str, Any]], dict[str, Any]]:
+    """(specs, measurements, block entries, intercept, runs, extra provenance): the parent + ``N``
+    balanced random children of the search space (``build_space(parent, caps, ffn_points)``), costs
+    by least squares; ``specs[0]`` is the parent."""
+    s = engine.settings
+    decisions = build_space(parent, caps, ffn_points)
+    columns = list(options)
+    n_unknowns = len(columns) + 1
+    n = s.profile_models or int(round(float(s.profile_models_per_unknown) * n_unknowns))
+    seed = s.profile_seed
+    specs, seen = [parent.replace(name="parent")], {spec_hash(parent)}
+    for i, ch in enumerate(balanced_choices([len(d.options) for d in decisions], n, seed)):
+        child = apply_choices(parent, decisions, ch).replace(name=f"fit{i}")
+        if spec_hash(child) not in seen and not engine.check_servable(child, parent):
+            seen.add(spec_hash(child))
+            specs.append(child)
+    counts = feature_matrix(specs, columns)
+    unseen = [c for j, c in enumerate(columns) if not counts[:, j].any()]
+    if unseen:
+        raise ValueError(f"profiling design never uses {unseen}: raise engine.settings.profile_models")
+    log(
+        f"[profile] hybrid fit: {len(specs)} profiling models (parent + {len(specs) - 1} balanced children of the "
+        f"search space) for {n_unknowns} unknowns; engine {engine.name} ({engine.version()}), workload {workload}"
+    )
+    results = engine.measure_many(specs, workload, log=progress(log, len(specs) * s.rounds, time.time()))
+    fits = {p: fit_costs(counts, np.array([getattr(m, p) for m in results])) for p in PHASES}
+    intercept = {p: fits[p].intercept for p in PHASES}
+    blocks = [
+        {
+            "block": c.__dict__,
+            **{p: float(fits[p].costs[j]) for p in PHASES},
+            "source": "fit",
+            "appearances": int(counts[:, j].sum()),
+        }
+        for j, c in enumerate(columns)
+    ]
+    runs = [
+        run_row(
+            sp,
+            m,
+            k=0,
+            block=None,
+            blocks=[b.__dict__ for b in sp.blocks],
+            spec_hash=spec_hash(sp),
+            **{f"fit_{p}": float(fits[p].fitted[i]) for p in PHASES},
+            **{f"loo_err_{p}_pct": float(fits[p].loo_pct[i]) for p in PHASES},
+        )
+        for i, (sp, m) in enumerate(zip(specs, results, strict=True))
+    ]
+    fit_prov = {
+        "models": len(specs),
+        "unknowns": n_unknowns,
+        **{p: {**fits[p].summary(), "rank": fits[p].rank, "cond": fits[p].cond} for p in PHASES},
+        "note": "relative residuals of the weighted NNLS fit (in-sample) and leave-one-out",
+    }
+    log(
+        "[profile] fit residuals: "
+        + "; ".join(
+            f"{p}: rms {fits[p].summary()['rms_pct']:.2f}%, leave-one-out rms {fits[p].summary()['loo_rms_pct']:.2f}% "
+            f"max {fits[p].summary()['loo_max_pct']:.2f}%"
+            for p in PHASES
+        )
+        + f" (rank {fits['decode_ms'].rank} of "
+        f"{n_unknowns}, cond {fits['decode_ms'].cond:.0f})"
+    )
+    return specs, results, blocks, intercept, runs, {"fit": fit_prov, "settings": {"models": len(specs), "seed": seed}}
