@@ -10,7 +10,8 @@ import torch
 from omegaconf import OmegaConf
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
-from autocompress_nemo.config.schema import EngineConfig, EngineSettings, TargetConfig
+from autocompress_nemo.config.engine import EngineConfig, EngineSettings
+from autocompress_nemo.config.schema import TargetConfig
 from autocompress_nemo.costs import memory as mem
 from autocompress_nemo.costs.engines import get_engine
 from autocompress_nemo.costs.engines.base import Workload, capability_problems

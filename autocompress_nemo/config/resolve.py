@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autocompress_nemo.config.schema import EngineCapabilities, capabilities_of
+from autocompress_nemo.config.engine import EngineCapabilities, capabilities_of
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 """The package's Hydra config directory (``conf`` at the repository root links here)."""

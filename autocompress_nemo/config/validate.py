@@ -339,7 +339,7 @@ def _check_engine_settings(settings: dict, where: str) -> list[str]:
     """Keys of ``EngineSettings`` only, with their types; the few string settings from their choices."""
     import dataclasses
 
-    from autocompress_nemo.config.schema import EngineSettings
+    from autocompress_nemo.config.engine import EngineSettings
 
     fields = {f.name: f for f in dataclasses.fields(EngineSettings)}
     p: list[str] = []

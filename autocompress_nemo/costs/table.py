@@ -249,7 +249,7 @@ MEASURED_SETTINGS = ("n_batch", "n_ubatch", "decode_context", "max_num_tokens", 
 def expected_settings(engine_cfg: Any) -> dict[str, Any]:
     """The provenance's ``settings``, compared when a table is loaded: the ``MEASURED_SETTINGS`` of
     ``engine_cfg`` (the target's ``engine`` section) and its serving tensor-parallel size."""
-    from autocompress_nemo.config.schema import engine_config_of
+    from autocompress_nemo.config.engine import engine_config_of
 
     cfg = engine_config_of(engine_cfg)
     return {**{k: getattr(cfg.settings, k) for k in MEASURED_SETTINGS}, "tensor_parallel": int(cfg.tensor_parallel)}

@@ -13,7 +13,7 @@ from typing import Any
 
 from autocompress_nemo.arch import counts
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MambaBlock, MlpBlock, MoeBlock
-from autocompress_nemo.config.schema import EngineCapabilities, capabilities_of, settings_of
+from autocompress_nemo.config.engine import EngineCapabilities, capabilities_of, settings_of
 from autocompress_nemo.costs import memory
 from autocompress_nemo.costs.engines.trtllm import MAX_NUM_TOKENS
 

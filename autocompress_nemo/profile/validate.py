@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
-from autocompress_nemo.config.schema import capabilities_of
+from autocompress_nemo.config.engine import capabilities_of
 from autocompress_nemo.costs.engines.base import capability_problems
 from autocompress_nemo.costs.profile.grid import dense_options
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MambaBlock, MlpBlock, MoeBlock
-from autocompress_nemo.config.schema import capabilities_of
+from autocompress_nemo.config.engine import capabilities_of
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from typing import Any
 
 from autocompress_nemo.arch.counts import block_params
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MambaBlock, MlpBlock, MoeBlock
-from autocompress_nemo.config.schema import capabilities_of
+from autocompress_nemo.config.engine import capabilities_of
 from autocompress_nemo.costs.table import moe_parts
 from autocompress_nemo.search.space import Decision, attention_options, ffn_widths, levels
 

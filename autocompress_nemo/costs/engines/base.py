@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
-from autocompress_nemo.config.schema import (
+from autocompress_nemo.config.engine import (
     EngineCapabilities,
     EngineConfig,
     EngineSettings,

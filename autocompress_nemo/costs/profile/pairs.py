@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
-from autocompress_nemo.config.schema import capabilities_of
+from autocompress_nemo.config.engine import capabilities_of
 from autocompress_nemo.costs.engines.base import Engine, Measurement, Workload
 from autocompress_nemo.costs.memory import kv_cache_bytes, weight_bytes
 from autocompress_nemo.costs.profile.grid import dense_options
