@@ -23,8 +23,8 @@ from omegaconf import OmegaConf
 from autocompress_nemo.arch import counts
 from autocompress_nemo.arch.from_config import spec_from_model_config
 from autocompress_nemo.arch.spec import ArchSpec
-from autocompress_nemo.config.resolve import search_capabilities
 from autocompress_nemo.config.engine import settings_of
+from autocompress_nemo.config.resolve import search_capabilities
 from autocompress_nemo.costs.memory import bytes_per_element
 from autocompress_nemo.plan import memory_train as mt
 from autocompress_nemo.plan.layout import (

@@ -23,8 +23,8 @@ from omegaconf import OmegaConf
 
 from autocompress_nemo.arch.from_config import spec_from_model_config
 from autocompress_nemo.arch.spec import ArchSpec
-from autocompress_nemo.config.resolve import search_capabilities
 from autocompress_nemo.config.engine import settings_of
+from autocompress_nemo.config.resolve import search_capabilities
 from autocompress_nemo.costs.engines import get_engine
 from autocompress_nemo.costs.engines.base import Workload
 from autocompress_nemo.costs.predictor import Predictor
