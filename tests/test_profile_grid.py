@@ -9,9 +9,9 @@ import pytest
 
 from autocompress_nemo.arch.from_config import spec_from_model_config
 from autocompress_nemo.arch.spec import ArchSpec, MoeBlock
+from autocompress_nemo.config.engine import EngineCapabilities, capabilities_of, settings_of
 from autocompress_nemo.config.entry import compose
 from autocompress_nemo.config.resolve import search_capabilities
-from autocompress_nemo.config.engine import EngineCapabilities, capabilities_of, settings_of
 from autocompress_nemo.config.validate import ConfigError, collect_problems
 from autocompress_nemo.costs.profile.grid import profile_options
 from autocompress_nemo.costs.profile.pairs import make_plan
@@ -79,7 +79,7 @@ def test_the_profiler_imports_the_search_never_the_reverse() -> None:
     import grimp
 
     g = grimp.build_graph("autocompress_nemo")
-    for search in ("autocompress_nemo.search.space", "autocompress_nemo.search.space_hybrid"):
+    for search in ("autocompress_nemo.search.space", "autocompress_nemo.blocks"):
         for mod in g.find_descendants("autocompress_nemo.costs.profile") | {"autocompress_nemo.costs.profile"}:
             assert g.find_shortest_chain(search, mod) is None, (search, mod)
     assert g.find_shortest_chain("autocompress_nemo.costs.profile.grid", "autocompress_nemo.search.space")

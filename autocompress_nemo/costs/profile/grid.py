@@ -1,8 +1,7 @@
 """The option grid a cost table is profiled at: the search's own options, never a grid of its own.
 
-``search/space.py`` (``build_space``: ``attention_options``, ``ffn_widths`` and, for hybrids,
-``search/space_hybrid.py``'s MoE / Mamba options) is the single source of the options a block may
-take; profiling and validation read them from there, so the table holds an entry for every
+``search/space.py`` (``build_space``: each block kind's options, ``blocks/``) is the single
+source of the options a block may take; profiling and validation read them from there, so the table holds an entry for every
 option the search can return. The profiler imports the search space, never the reverse.
 """
 
