@@ -6,8 +6,6 @@ llama.cpp-like capabilities)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from hybrid_utils import ALL_CAPS, conf_spec, ids, requires_mamba
@@ -24,6 +22,7 @@ from autocompress_nemo.search.minitron import (
     unit_importance,
 )
 from autocompress_nemo.search.space import apply_choices, build_space, uniform_candidates
+from tests.cfg_utils import search_cfg
 from tests.method_utils import CAPS, TINY, ParamCost
 
 # the torch_eager CPU engine's capabilities (conf/engine/torch_eager_cpu.yaml) but with attention
@@ -142,7 +141,7 @@ def test_minitron_pp_on_hybrid_removes_blocks_when_widths_cannot_meet_the_budget
     )
     budget = {"decode_ms": 0.75 * cost.predict(spec)["decode_ms"]}
     assert width_only > budget["decode_ms"], "the test needs a budget no width-only candidate meets"
-    cfg = SimpleNamespace(
+    cfg = search_cfg(
         minitron_candidates=2,
         minitron_score_batches=1,
         minitron_retrain_steps=1,

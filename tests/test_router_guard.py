@@ -9,13 +9,8 @@ from autocompress_nemo.arch.counts import param_count
 from autocompress_nemo.models.builder import forward_logits
 from autocompress_nemo.search.autocompress import run_router_search
 from autocompress_nemo.search.space import build_space
+from tests.cfg_utils import ROUTER, search_cfg
 from tests.method_utils import CAPS, ParamCost, megatron_from_hf, tiny_parent
-
-
-class Cfg:
-    steps, router_lr, weight_lr, train_weights = 6, 0.1, 1e-4, False
-    tau_start, tau_end, penalty_over, penalty_under, slack = 2.0, 0.2, 20.0, 2.0, 0.05
-    kd_temperature, checkpoint_every = 1.0, 1
 
 
 def test_nan_step_is_skipped_and_nan_checkpoint_not_resumed(tmp_path, megatron_tp1) -> None:
@@ -44,7 +39,7 @@ def test_nan_step_is_skipped_and_nan_checkpoint_not_resumed(tmp_path, megatron_t
             budget,
             lambda s: batches[s],
             fwd,
-            Cfg(),
+            search_cfg(**ROUTER, steps=6, checkpoint_every=1),
             seed=1,
             log=logs.append,
             checkpoint=ckpt,
@@ -62,4 +57,4 @@ def test_nan_step_is_skipped_and_nan_checkpoint_not_resumed(tmp_path, megatron_t
     logs.clear()
     again = search(forward_logits)
     assert any("non-finite router logits; starting from step 0" in s for s in logs)
-    assert len(again.trajectory) == Cfg.steps
+    assert len(again.trajectory) == 6  # search_cfg(steps=6): every step, from step 0

@@ -9,12 +9,14 @@ from types import SimpleNamespace
 
 from omegaconf import OmegaConf
 
-from autocompress_nemo import stages
 from autocompress_nemo.arch.counts import param_count
+from autocompress_nemo.config.schema import WorkloadConfig
 from autocompress_nemo.extract.repair import repair
 from autocompress_nemo.search.judge import ProxyJudge
 from autocompress_nemo.search.settle import Settler
 from autocompress_nemo.search.space import apply_choices, build_space
+from autocompress_nemo.stages import search as stages  # the search stage: verify_measured
+from tests.cfg_utils import search_cfg
 from tests.method_utils import CAPS, tiny_parent
 
 WL = {"batch": 1, "input_len": 16, "output_len": 4, "context_len": 32}
@@ -46,7 +48,9 @@ class ScriptedEngine:
 
 
 def _ctx(rounds: int) -> SimpleNamespace:
-    cfg = OmegaConf.create({"search": {"verify_rounds": rounds}, "target": {"workload": WL}})
+    """What the stage reads of the run config (``search``, ``target.workload``), from the real schema."""
+    workload = OmegaConf.structured(WorkloadConfig(name="test", **WL))
+    cfg = OmegaConf.create({"search": search_cfg(verify_rounds=rounds), "target": {"workload": workload}})
     return SimpleNamespace(cfg=cfg, say=print)
 
 
@@ -75,6 +79,7 @@ def test_over_budget_measurement_is_repaired_until_it_passes(tmp_path) -> None:
     assert history[-1]["measured"]["decode_ms"] <= budget["decode_ms"]
     assert 1.08 * cost.predict(apply_choices(spec, decisions, final))["decode_ms"] <= budget["decode_ms"]
     assert history[1]["predicted_target"]["decode_ms"] < budget["decode_ms"]  # the table's error taken out
+    assert engine.calls == len(history)  # every round was measured by the engine passed in, no other
 
 
 def test_slow_checks_then_room_grow_back_toward_the_budget(tmp_path) -> None:
@@ -93,6 +98,7 @@ def test_slow_checks_then_room_grow_back_toward_the_budget(tmp_path) -> None:
     assert got <= budget["decode_ms"] and got >= 0.9 * quiet, (got, quiet, history)
     # without the grow-back the slow checks would have left the child far below the budget
     assert history[2]["measured"]["decode_ms"] < 0.8 * budget["decode_ms"]
+    assert engine.calls == len(history)
 
 
 def test_grown_child_that_misses_on_the_last_round_falls_back(tmp_path) -> None:
@@ -104,6 +110,7 @@ def test_grown_child_that_misses_on_the_last_round_falls_back(tmp_path) -> None:
     final, history = stages.verify_measured(_ctx(1), tmp_path, spec, decisions, start, cost, budget, settler, engine)
     assert [h["pass"] for h in history] == [True, False]
     assert final == start and history[-1]["action"] == "kept the last passing child"
+    assert engine.calls == len(history) == 2
 
 
 def test_off_or_estimated_engine_changes_nothing(tmp_path) -> None:
@@ -160,8 +167,7 @@ def test_target_tightened_below_the_smallest_child_stops_without_crashing(tmp_pa
     spec, decisions, cost, settler = _setup()
     smallest = [0] * len(decisions)
     budget = {"decode_ms": 1.02 * cost.predict(apply_choices(spec, decisions, smallest))["decode_ms"]}
-    final, history = stages.verify_measured(
-        _ctx(2), tmp_path, spec, decisions, smallest, cost, budget, settler, ScriptedEngine([1.5])
-    )
-    assert final == smallest and history[0]["pass"] is False
+    engine = ScriptedEngine([1.5])
+    final, history = stages.verify_measured(_ctx(2), tmp_path, spec, decisions, smallest, cost, budget, settler, engine)
+    assert final == smallest and history[0]["pass"] is False and engine.calls == len(history) == 1
     assert "target unreachable" in history[-1]["action"]

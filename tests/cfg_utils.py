@@ -1,0 +1,30 @@
+"""Config sections for tests built from the real schema (``autocompress_nemo.config.schema``), never
+hand-written stand-ins: a field renamed or removed in the schema fails here (``TypeError`` from the
+dataclass), and a value of the wrong type fails at assignment, instead of a test passing on a
+config the code never sees."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from autocompress_nemo.config.schema import SearchConfig
+
+ROUTER = dict(
+    router_lr=0.1,
+    weight_lr=1e-4,
+    train_weights=False,
+    tau_start=2.0,
+    tau_end=0.2,
+    penalty_over=20.0,
+    penalty_under=2.0,
+    slack=0.05,
+    kd_temperature=1.0,
+)
+"""The router settings the tiny method tests share (fast convergence on a 3-layer model)."""
+
+
+def search_cfg(**fields: Any) -> DictConfig:
+    """The ``search`` section as the stages read it: ``SearchConfig(**fields)``, typed."""
+    return OmegaConf.structured(SearchConfig(**fields))
