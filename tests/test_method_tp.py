@@ -20,6 +20,7 @@ def _search_on_rank(rank: int, world: int) -> dict:
     from autocompress_nemo.rank.reorder import apply_permutations, permutations_from_scores
     from autocompress_nemo.search.autocompress import run_router_search
     from autocompress_nemo.search.space import build_space
+    from tests.cfg_utils import ROUTER, search_cfg
     from tests.method_utils import CAPS, ParamCost, megatron_from_hf, tiny_parent
 
     init_distributed(tp=world)
@@ -33,11 +34,6 @@ def _search_on_rank(rank: int, world: int) -> dict:
     decisions = build_space(spec, CAPS, ffn_options=4)
     smodel = megatron_from_hf(spec, sorted_sd)
 
-    class Cfg:
-        steps, router_lr, weight_lr, train_weights = 25, 0.1, 1e-4, False
-        tau_start, tau_end, penalty_over, penalty_under, slack = 2.0, 0.2, 20.0, 2.0, 0.05
-        kd_temperature, checkpoint_every = 1.0, 0
-
     out = run_router_search(
         smodel,
         spec,
@@ -46,7 +42,7 @@ def _search_on_rank(rank: int, world: int) -> dict:
         {"params": 0.75 * param_count(spec)},
         lambda s: batches[s % 6],
         forward_logits,
-        Cfg(),
+        search_cfg(**ROUTER, steps=25, checkpoint_every=0),
         seed=3,
         log=lambda s: None,
         router_init="parent",
