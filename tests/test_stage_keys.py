@@ -25,7 +25,7 @@ TINY = [
 CACHED = {"profile", "validate", "rank", "search", "extract", "distill", "export", "evaluate"}
 # which stages read what, written out by hand (the declarations must agree)
 READERS = {
-    "cluster.ep=2": {"rank", "search", "extract", "distill", "export", "evaluate"},
+    "cluster.ep=2": {"profile", "validate", "rank", "search", "extract", "distill", "export", "evaluate"},
     "seed=7": {"validate", "rank", "search", "extract", "distill", "export", "evaluate"},
     "data.seed=7": {"rank", "search", "extract", "distill", "export", "evaluate"},
     "distill.tokens=4096": {"distill"},

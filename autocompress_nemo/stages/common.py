@@ -3,15 +3,14 @@ the KD judge's calibration batches, the search capabilities under the run's layo
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from autocompress_nemo.arch.counts import param_count
 from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.config.resolve import search_capabilities  # noqa: F401  (the stages' name for it)
 from autocompress_nemo.context import Context, read_json
 from autocompress_nemo.stages.layout import ValidateDir
 
@@ -27,19 +26,6 @@ JUDGE_READS: tuple[str, ...] = (
     "data",
 )
 """What ``judge_batches`` and a KD judgement read."""
-
-
-def search_capabilities(cfg: Any) -> dict[str, Any]:
-    """The target engine's capabilities, with what this run's own layout needs on top: under
-    expert parallelism (``cluster.ep``) every student keeps a multiple of EP routed experts per
-    MoE block (``expert_align = lcm(engine's, ep)``), so search, extraction and recovery
-    distillation can shard it the way they shard the parent."""
-    caps = cfg.target.engine.capabilities
-    out = dict(OmegaConf.to_container(caps, resolve=True) if OmegaConf.is_config(caps) else (caps or {}))
-    ep = int(cfg.cluster.ep or 1)
-    if ep > 1:
-        out["expert_align"] = math.lcm(int(out.get("expert_align") or 1), ep)
-    return out
 
 
 def parent_reference(validation: ValidateDir | None, predicted: dict[str, Any]) -> tuple[dict[str, float], str]:

@@ -9,9 +9,13 @@ from autocompress_nemo.context import Context
 from autocompress_nemo.stages.declare import Stage
 from autocompress_nemo.stages.layout import ProfileDir, ValidateDir
 
-STAGE = Stage("profile", reads=("target", "model", "search.ffn_options"), rank0_only=True)
+# cluster.ep: MoE options keep expert counts in multiples of EP (config.resolve.search_capabilities)
+STAGE = Stage("profile", reads=("target", "model", "search.ffn_options", "cluster.ep"), rank0_only=True)
 VALIDATE = Stage(
-    "validate", reads=("target", "model", "seed", "search.ffn_options"), needs=("profile",), rank0_only=True
+    "validate",
+    reads=("target", "model", "seed", "search.ffn_options", "cluster.ep"),
+    needs=("profile",),
+    rank0_only=True,
 )
 
 
