@@ -1,6 +1,13 @@
 """The whole pipeline on a tiny model with the real engine (llama.cpp on this CPU): every
-stage runs, the report is written, the students are measured in llama.cpp against the
-budget, and the exported GGUF (``deci`` when heterogeneous) loads and generates text."""
+stage runs, the report is written, the students are measured in llama.cpp and meet the
+budget there, and the exported GGUF (``deci`` when heterogeneous) loads and generates text.
+
+The budget is the memory llama.cpp allocates (weights + KV cache + compute buffers, 0.8x the
+parent's, measured the same way): a budget the tiny model can reach and that the engine measures
+the same way every time. Its decode time (~0.1-0.2 ms a token) sits at the timing noise floor of a
+shared CPU: the parent itself can measure 40 % apart between profiling and evaluation, so a decode
+budget could not be required to pass. Decode time is still measured and reported.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,11 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (extra: engines)")
+BUDGET = [  # memory_bytes <= 0.8x the parent's, both measured in llama.cpp
+    "budget@target.budget=fit_device_memory",
+    "target.budget.name=memory_0.8x",
+    "target.budget.constraints.0.value=0.8x",
+]
 
 
 def test_tiny_pipeline_end_to_end_in_llama_cpp(tmp_path, capsys) -> None:
@@ -26,6 +38,7 @@ def test_tiny_pipeline_end_to_end_in_llama_cpp(tmp_path, capsys) -> None:
             "evaluate.lm_eval_items=16",
             "evaluate.heldout_batches=2",
             "search.minitron_retrain_steps=2",
+            *BUDGET,
         ]
     )
     out = run_pipeline(cfg)
@@ -34,15 +47,21 @@ def test_tiny_pipeline_end_to_end_in_llama_cpp(tmp_path, capsys) -> None:
     for name in ("parent", "autocompress", "minitron_pp"):
         m = ev["models"][name]
         assert m["measured_by"].startswith("llama_cpp"), m["measured_by"]
+        assert m["measured"]["decode_ms"] > 0 and m["measured"]["memory_bytes"] > 0, m["measured"]
         assert m["accuracy"]["heldout_ppl"] > 1
         assert "stdlib_next_line" in m["accuracy"]["lm_eval"]
+    assert not ev["models"]["parent"]["budget_check"]["memory_bytes"]["pass"]  # the budget binds
+    for name in ("autocompress", "minitron_pp"):  # the recovered students, measured in llama.cpp, meet it
+        check = ev["models"][name]["budget_check"]
+        assert set(check) == {"memory_bytes"} and all(c["pass"] for c in check.values()), (name, check)
     assert set(ev["before_recovery"]) == {"autocompress", "minitron_pp"}
     for m in ("autocompress", "minitron_pp"):  # the chosen architecture was measured in llama.cpp before slicing
         verified = json.loads((run / f"search_{m}" / "arch.json").read_text())["verified_in_engine"]
-        assert verified[0]["measured"]["decode_ms"] > 0
-        # the student sliced is one the engine measured within the budget, unless the measurement put the
-        # budget below the smallest child (tiny models decode in ~0.05 ms: at the timing noise floor), said so
-        assert verified[-1]["pass"] or "target unreachable" in verified[-1].get("action", ""), verified
+        assert verified and verified[0]["measured"]["memory_bytes"] > 0, verified
+        # the student sliced is one the engine measured within the budget: the last round passed, or a
+        # later (grown) child missed and the last passing one was kept
+        assert verified[-1]["pass"] or verified[-1].get("action") == "kept the last passing child", verified
+        assert any(v["pass"] for v in verified), verified
         guard = json.loads((run / f"search_{m}" / "arch.json").read_text())["quality_guard"]
         assert guard["final_kd"] <= guard["factor"] * guard["uniform_kd"] + 1e-9, guard
     # accuracy measured on the exported file in llama.cpp, next to the PyTorch figure
