@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -110,6 +109,7 @@ def _stages(rank: int, world: int, out_dir: str) -> dict:
     from autocompress_nemo.stages import rank as rank_stage
     from autocompress_nemo.stages.layout import ExtractDir, RankDir, SearchDir
     from autocompress_nemo.utils.artifacts import write_json_atomic
+    from tests.cfg_utils import search_cfg
     from tests.method_utils import ParamCost
 
     cfg = compose([*OVERRIDES, f"run_dir={out_dir}/run", f"cluster.ep={world}", f"cluster.processes_per_node={world}"])
@@ -146,7 +146,7 @@ def _stages(rank: int, world: int, out_dir: str) -> dict:
                 raise Killed(f"killed at step {s}")
             return ctx.batch_at("train", s, 2, 16, seed_offset=17)  # as stages.search_core
 
-        c = SimpleNamespace(**SEARCH, train_weights=train_weights, checkpoint_every=2 if ckpt else 0)
+        c = search_cfg(**SEARCH, train_weights=train_weights, checkpoint_every=2 if ckpt else 0)
         o = run_router_search(
             ctx.model(pspec, psd),
             pspec,
