@@ -11,6 +11,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from autocompress_nemo.config.schema import SearchConfig
 
+TINY_ROOFLINE = [
+    "model=tiny_llama",
+    "+target=tiny_cpu",
+    "engine@target.engine=roofline",
+    "target.hardware.peak_tflops=0.2",
+    "target.hardware.mem_bandwidth_gbs=20",
+    "search=quick",
+]
+"""Overrides of the tiny pipeline tests: the tiny Llama on an analytic cost model (no engine)."""
+
 ROUTER = dict(
     router_lr=0.1,
     weight_lr=1e-4,

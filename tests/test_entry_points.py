@@ -13,18 +13,12 @@ from pathlib import Path
 import pytest
 
 from autocompress_nemo.cli import SCRIPTS, VALIDATE_ARGS, argv_for
+from tests.cfg_utils import TINY_ROOFLINE
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT_SCRIPTS: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 HYDRA_HELP = "--cfg job prints the composed config"  # the footer of the pipeline's help (conf/run.yaml)
-TINY = [  # as tests/test_pipeline.py: an analytic cost model, so no engine is needed
-    "model=tiny_llama",
-    "+target=tiny_cpu",
-    "engine@target.engine=roofline",
-    "target.hardware.peak_tflops=0.2",
-    "target.hardware.mem_bandwidth_gbs=20",
-    "search=quick",
-]
+TINY = TINY_ROOFLINE  # as tests/test_pipeline.py: an analytic cost model, so no engine is needed
 
 
 def _call(target: str, prog: str, args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:

@@ -8,14 +8,10 @@ from __future__ import annotations
 import pytest
 
 from autocompress_nemo.config.entry import compose
+from tests.cfg_utils import TINY_ROOFLINE
 
 TINY = [
-    "model=tiny_llama",
-    "+target=tiny_cpu",
-    "engine@target.engine=roofline",
-    "target.hardware.peak_tflops=0.2",
-    "target.hardware.mem_bandwidth_gbs=20",
-    "search=quick",
+    *TINY_ROOFLINE,
     "search.steps=4",
     "stages=[profile,rank,search,extract]",
 ]
@@ -89,7 +85,7 @@ def test_quick_preset_lightens_profiling_only_through_a_copy() -> None:
     cfg = compose(["search=quick"])
     quick = with_profile_settings(cfg)
     assert quick.target.engine.settings.rounds == 1 and quick.target.engine.settings.validate_random == 3
-    assert "rounds" not in cfg.target.engine.settings  # the composed config is not mutated
+    assert cfg.target.engine.settings.rounds != 1  # the composed config is not mutated
     default = compose([])
     assert with_profile_settings(default) is default
 

@@ -11,14 +11,10 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 from autocompress_nemo.config.entry import compose
 from autocompress_nemo.pipeline import Run
 from autocompress_nemo.stages import all_stages
+from tests.cfg_utils import TINY_ROOFLINE
 
 TINY = [
-    "model=tiny_llama",
-    "+target=tiny_cpu",
-    "engine@target.engine=roofline",
-    "target.hardware.peak_tflops=0.2",
-    "target.hardware.mem_bandwidth_gbs=20",
-    "search=quick",
+    *TINY_ROOFLINE,
     "search.steps=4",
     "stages=[profile,rank,search,extract]",
 ]
