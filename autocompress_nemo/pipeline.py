@@ -93,6 +93,16 @@ class Run:
             stage.dir_name(method), lambda d: fn(view, d), stage.reads, inputs, rank0_only=stage.rank0_only
         )
 
+    def reuse(self, stage: Any, inputs: list[Path] | None = None, method: str | None = None) -> Path | None:
+        """The artifact of a declared stage that is not asked to run, when it is complete for the same
+        inputs (a stage's result never depends on whether it ran in this invocation or an earlier one:
+        a Slurm chain runs one stage per job); ``None`` otherwise."""
+        final = self.dir / stage.dir_name(method)
+        if is_complete(final, self.config_hash(stage.reads, inputs or [], stage.name)):
+            self.say(f"[{final.name}] reused: artifact complete for the same inputs ({final})")
+            return final
+        return None
+
     def ckpt_dir(self, name: str) -> Path:
         d = self.dir / f"{name}.ckpt"
         d.mkdir(parents=True, exist_ok=True)

@@ -79,3 +79,17 @@ def test_the_pipeline_reruns_what_reads_a_changed_key(tmp_path, capsys) -> None:
         assert f"[{stage}] running" in out, out
     out = run("data.seed=7")
     assert "running" not in out
+
+
+def test_a_stage_not_asked_for_is_reused_when_complete(tmp_path, capsys) -> None:
+    """Validate ran in an earlier invocation (a Slurm chain runs one stage per job): a later
+    ``stages=[rank,search]`` reads it, so its search is the full run's (skipped, not recomputed)."""
+    from autocompress_nemo.search.__main__ import run_pipeline
+
+    def run(stages: str) -> str:
+        run_pipeline(compose([*TINY, f"run_dir={tmp_path}/run", f"stages={stages}"]))
+        return capsys.readouterr().out
+
+    run("[profile,validate,rank,search]")
+    out = run("[rank,search]")
+    assert "[validate] reused" in out and "[search_autocompress] skipped" in out, out

@@ -43,10 +43,11 @@ def run_pipeline(cfg: DictConfig) -> dict[str, Any]:
     out: dict[str, Any] = {"run_dir": str(run.dir)}
 
     prof = ProfileDir(run.run_stage(profile.STAGE, ctx, profile.run))
-    validation: ValidateDir | None = None
     if "validate" in wanted:
-        vd = run.run_stage(profile.VALIDATE, ctx, lambda c, d: profile.validate(c, d, prof), [prof.dir])
-        validation = ValidateDir(vd)
+        vd: Path | None = run.run_stage(profile.VALIDATE, ctx, lambda c, d: profile.validate(c, d, prof), [prof.dir])
+    else:  # not asked for: a complete one from an earlier invocation still counts (the search reads it)
+        vd = run.reuse(profile.VALIDATE, [prof.dir])
+    validation = ValidateDir(vd) if vd is not None else None
     if not wanted & LATER:
         return out
     ranked = RankDir(run.run_stage(rank.STAGE, ctx, rank.run))
