@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 
 from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.stages.layout import Weights
 
 
 class ByteTokenizer:
@@ -214,12 +215,14 @@ def config_view(cfg: DictConfig, reads: tuple[str, ...]) -> DictConfig:
 
 # -- state dict / spec files ---------------------------------------------------------------------
 def save_weights(path: Path, spec: ArchSpec, sd: dict[str, torch.Tensor]) -> None:
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"))
-    (path / "spec.json").write_text(spec.to_json())
+    w = Weights(path)
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(w.weights))
+    w.spec.write_text(spec.to_json())
 
 
 def load_weights(path: Path) -> tuple[ArchSpec, dict[str, torch.Tensor]]:
-    return ArchSpec.from_json((path / "spec.json").read_text()), load_file(str(path / "model.safetensors"))
+    w = Weights(path)
+    return ArchSpec.from_json(w.spec.read_text()), load_file(str(w.weights))
 
 
 def read_json(path: Path) -> Any:

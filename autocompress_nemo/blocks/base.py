@@ -12,6 +12,7 @@ search loop over blocks and ask it, with no per-kind switch of their own.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -56,38 +57,42 @@ def levels(parent: int, n: int, align: int = 1, minimum: int = 1) -> list[int]:
     return sorted(out)
 
 
-class Kind:
-    """A block kind. Subclasses set ``name``, ``block_type`` and ``decision_kinds`` and override what
-    differs; the defaults suit a block with one decision over one prefix dimension."""
+class Kind(ABC):
+    """A block kind. Subclasses set ``name``, ``block_type`` and ``decision_kinds`` and implement
+    every abstract method (a kind missing one cannot be instantiated, so it cannot be registered);
+    ``merge`` and ``slice`` have defaults for a block with one decision over prefix dimensions."""
 
     name: ClassVar[str]
     block_type: ClassVar[type]
     decision_kinds: ClassVar[tuple[str, ...]]
 
+    @abstractmethod
     def decisions(self, spec: ArchSpec, i: int, block: Any, caps: Any, grid: Grid) -> list[Decision]:
-        raise NotImplementedError
+        """Block ``i``'s decisions under the engine's capabilities (none when only the parent's shape is allowed)."""
 
     def merge(self, d: Decision, current: Any, option: Any) -> Any:
         """The block after choosing ``option`` of ``d`` for ``current`` (a whole-block decision: the option)."""
         return option
 
+    @abstractmethod
     def masks(self, d: Decision, parent_block: Any) -> dict[str, torch.Tensor]:
         """``{mask name: [K, D]}`` keep-indicators of every option over the sorted parent dimension."""
-        raise NotImplementedError
 
+    @abstractmethod
     def kept_importance(self, d: Decision, option: Any, scores: Any) -> float:
         """The summed sorted-parent scores ``option`` keeps (``scores``: the block's rank scores)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def widths(self, option: Any) -> tuple[int, ...]:
-        raise NotImplementedError
+        """The widths an option keeps, per dimension a uniform (Minitron++) shape is uniform in."""
 
+    @abstractmethod
     def describe(self, block: Any) -> str:
-        raise NotImplementedError
+        """A short shape for logs (``A9h3kv``, ``F1536``, ...)."""
 
+    @abstractmethod
     def prefix_problem(self, parent_block: Any, child_block: Any) -> str | None:
         """Why ``child_block`` is not a prefix of ``parent_block`` (None: it is)."""
-        return None
 
     def slice(
         self, parent_block: Any, child_block: Any, role: str, t: torch.Tensor, shape: tuple[int, ...]

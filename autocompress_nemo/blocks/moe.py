@@ -32,13 +32,7 @@ import torch
 from autocompress_nemo.arch.counts import block_params
 from autocompress_nemo.arch.spec import ArchSpec, MoeBlock
 from autocompress_nemo.blocks.base import Decision, Grid, Kind, levels, need, prefix_rows
-
-
-def moe_parts(b: MoeBlock) -> tuple[MoeBlock, MoeBlock]:
-    """(routed part, shared part) of an MoE block as canonical blocks (see module docstring)."""
-    from autocompress_nemo.costs.table import moe_parts as parts
-
-    return parts(b)
+from autocompress_nemo.costs.table import moe_parts
 
 
 def topk_levels(k: int, min_k: int) -> list[int]:

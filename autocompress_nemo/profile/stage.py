@@ -31,9 +31,8 @@ from autocompress_nemo.costs.predictor import Predictor
 from autocompress_nemo.costs.profile import build_table
 from autocompress_nemo.costs.table import CostTable, expected_settings, make_provenance
 from autocompress_nemo.profile import validate as val
+from autocompress_nemo.stages.layout import TABLE_DIR, TABLE_FILE, VALIDATION_DIR
 from autocompress_nemo.utils.artifacts import artifact, hash_obj, is_complete
-
-TABLE_DIR, TABLE_FILE = "cost_table", "cost_table.json"
 
 
 def _plain(node: Any) -> Any:
@@ -129,7 +128,7 @@ def run_validate(
         int(seed if seed is not None else cfg.seed),
         int(cfg.search.ffn_options),
     )
-    out = Path(out_dir) / "validation"
+    out = Path(out_dir) / VALIDATION_DIR
     rows: list[dict[str, Any]] = []
     t0 = time.time()
     with artifact(out, stage="validate", config_hash=hash_obj([str(table_path), n_rand, len(specs)])) as tmp:

@@ -32,15 +32,13 @@ def build_space(parent: ArchSpec, caps: Any, ffn_options: int = 8, moe_levels: i
     return decisions(parent, capabilities_of(caps), Grid(ffn_options, moe_levels))
 
 
-def apply_choices(parent: ArchSpec, decisions_: list[Decision], choices: list[int]) -> ArchSpec:
-    """The child ArchSpec for one option index per decision (MoE parts merge into their block)."""
-    return apply(parent, decisions_, choices)
+apply_choices = apply
+"""The child ArchSpec for one option index per decision (MoE parts merge into their block)."""
 
 
 def option_widths(o: Any) -> tuple[int, ...]:
-    """The widths a decision option keeps, per dimension of its kind (the dimensions a uniform
-    Minitron++ shape is uniform in): attention (query heads, KV groups), mlp (ffn), moe routed part
-    (experts, expert ffn, top-k), moe shared part (shared ffn), mamba (heads)."""
+    """The widths a decision option keeps (its kind's ``widths``): the dimensions a uniform Minitron++
+    shape is uniform in."""
     return kind_of(o).widths(o)
 
 

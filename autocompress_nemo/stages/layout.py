@@ -11,6 +11,8 @@ from pathlib import Path
 
 SPEC = "spec.json"
 WEIGHTS = "model.safetensors"
+TABLE_DIR, TABLE_FILE = "cost_table", "cost_table.json"
+VALIDATION_DIR = "validation"
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class ProfileDir:
     @property
     def table(self) -> Path:
         """The cost table (``costs/table.CostTable``, JSON)."""
-        return self.dir / "cost_table" / "cost_table.json"
+        return self.dir / TABLE_DIR / TABLE_FILE
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class ValidateDir:
     @property
     def results(self) -> Path:
         """Where ``profile/stage.run_validate`` writes its report (the directory the stages read)."""
-        return self.dir / "validation"
+        return self.dir / VALIDATION_DIR
 
     @property
     def validation(self) -> Path:

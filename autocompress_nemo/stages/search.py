@@ -128,34 +128,13 @@ def search_core(
         def batch_at(step: int) -> torch.Tensor:
             return ctx.batch_at("train", step, bs, seq, seed_offset=17)
 
+        shared = (model, spec, decisions, costs, budget, batch_at, ctx.forward, s)
         if method == "autocompress":
-            outcome = run_router_search(
-                model,
-                spec,
-                decisions,
-                costs,
-                budget,
-                batch_at,
-                ctx.forward,
-                s,
-                seed=int(cfg.seed),
-                checkpoint=str(ckpt_dir / "router.pt"),
-                log=ctx.say,
-                router_init=str(s.get("router_init", "uniform")),
-            )
+            ckpt = str(ckpt_dir / "router.pt")
+            init = str(s.router_init)
+            outcome = run_router_search(*shared, seed=int(cfg.seed), checkpoint=ckpt, log=ctx.say, router_init=init)
         else:
-            outcome = run_minitron_pp(
-                model,
-                spec,
-                decisions,
-                costs,
-                budget,
-                batch_at,
-                ctx.forward,
-                s,
-                log=ctx.say,
-                fresh_model=lambda: ctx.model(spec, sd),
-            )
+            outcome = run_minitron_pp(*shared, log=ctx.say, fresh_model=lambda: ctx.model(spec, sd))
     final, settler, verified = settle_choices(
         ctx,
         out,
