@@ -149,10 +149,9 @@ class Context:
         key = ("data", _key(self.cfg, "data", "model", "seed"))
         if key not in self._shared:
             from autocompress_nemo.data import build_corpus
+            from autocompress_nemo.pipeline import cache_dir
 
-            self._shared[key] = build_corpus(
-                self.cfg.data, self.tokenizer, cache_dir=Path(str(self.cfg.run_dir)).parent / ".token_cache"
-            )
+            self._shared[key] = build_corpus(self.cfg.data, self.tokenizer, cache_dir=cache_dir(self.cfg) / "tokens")
         return self._shared[key]
 
     def _packed(self, split: str, seq_len: int) -> Any:
@@ -205,6 +204,8 @@ def config_view(cfg: DictConfig, reads: tuple[str, ...]) -> DictConfig:
     for k in (*reads, *ALWAYS):
         parent, _, leaf = k.rpartition(".")
         node = OmegaConf.select(cfg, parent) if parent else cfg
+        if k in ALWAYS and k not in reads and (node is None or leaf not in node):
+            continue  # where the run lives: a config without it (a hand-made one) has none
         if node is None or leaf not in node:
             raise ConfigKeyError(f"a stage declares it reads {k!r}, which the config does not have")
         OmegaConf.update(out, k, _plain(OmegaConf.select(cfg, k)), merge=False, force_add=True)

@@ -7,21 +7,35 @@ byte-identical content does not). A complete, intact artifact (manifest present,
 every checksum holds) with the same hash is skipped; anything else is recomputed — a
 truncated or corrupted artifact is reported and never used. Long stages keep their
 checkpoints in ``<run_dir>/<stage>.ckpt/`` (outside the atomic artifact), so a killed
-stage resumes where it stopped.
+stage resumes where it stopped; the directory carries the stage's cache key (``fingerprint.json``)
+and a checkpoint of other inputs is set aside (renamed), never resumed (:meth:`Run.checkpoint`).
+Stages that read ``data`` also hash what the corpus files hold (``data/fingerprint.py``), not
+only their paths. A run holds ``<run_dir>/.lock`` while it works (``rundir.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from autocompress_nemo.utils.artifacts import artifact, hash_obj, is_complete, read_manifest, verify_or_explain
+from autocompress_nemo.rundir import clean_leftovers, locked, make_dir
+from autocompress_nemo.utils.artifacts import (
+    artifact,
+    hash_obj,
+    is_complete,
+    read_manifest,
+    set_aside,
+    verify_or_explain,
+    write_json_atomic,
+)
 
 log = logging.getLogger("autocompress")
 
@@ -48,6 +62,15 @@ def barrier() -> None:
 # artifact's content changes meaning. rank 2: hybrid scores / permutations gained attention
 # heads, dense-MLP neurons and hidden channels.
 ARTIFACT_VERSIONS: dict[str, int] = {"rank": 2}
+FINGERPRINT = "fingerprint.json"
+"""In a stage's checkpoint directory: the cache key of the inputs its checkpoints were made from."""
+
+
+def cache_dir(cfg: DictConfig) -> Path:
+    """Where a run keeps what it may recompute (token streams, data file hashes): ``cache_dir``
+    when set (several runs may share it), else ``<run_dir>/.cache``."""
+    given = OmegaConf.select(cfg, "cache_dir", default="") or ""
+    return Path(str(given)).expanduser() if given else Path(str(cfg.run_dir)) / ".cache"
 
 
 class Run:
@@ -55,10 +78,29 @@ class Run:
 
     def __init__(self, cfg: DictConfig, say: Callable[[str], None] | None = None):
         self.cfg = cfg
-        self.dir = Path(str(cfg.run_dir)).resolve()
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = make_dir(str(cfg.run_dir))  # a file / unwritable parent: one line naming the path
         self.say = say or (lambda s: print(s, flush=True))
         self.wall: dict[str, float] = {}
+        self._data_fp: str | None = None
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[Run]:
+        """The run holds ``<run_dir>/.lock`` (a second run on the directory refuses, naming this
+        one's pid); what killed stages left (``*.tmp-<pid>``) is removed first."""
+        if not is_rank0():  # rank 0 holds the lock for the whole torchrun job
+            yield self
+            return
+        with locked(self.dir, self.say):
+            clean_leftovers(self.dir, self.say)
+            yield self
+
+    def data_fingerprint(self) -> str:
+        """What the corpus files hold (sizes, mtimes, content hashes cached per file), once per run."""
+        if self._data_fp is None:
+            from autocompress_nemo.data.fingerprint import data_fingerprint
+
+            self._data_fp = data_fingerprint(self.cfg.data, cache_dir(self.cfg) / "data_hashes.json")
+        return self._data_fp
 
     def section(self, *keys: str) -> dict[str, Any]:
         out = {}
@@ -73,6 +115,8 @@ class Run:
             m = read_manifest(p)
             ins[p.name] = hash_obj(m.get("files")) if m else None
         key: dict[str, Any] = {"sections": self.section(*keys), "inputs": ins}
+        if any(k == "data" or k.startswith("data.") for k in keys):  # the corpus's content, not only its paths
+            key["data_content"] = self.data_fingerprint()
         if name in ARTIFACT_VERSIONS:
             key["artifact_version"] = ARTIFACT_VERSIONS[name]
         return hash_obj(key)
@@ -106,6 +150,17 @@ class Run:
     def ckpt_dir(self, name: str) -> Path:
         d = self.dir / f"{name}.ckpt"
         d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def checkpoint(self, stage: Any, inputs: list[Path] | None = None, method: str | None = None) -> Path:
+        """The checkpoint directory of a declared stage, ``<run_dir>/<stage>.ckpt``, holding only
+        checkpoints made from this stage's inputs: it records the stage's cache key (config sections
+        read, input checksums, data content) in ``fingerprint.json``; a directory with another key
+        (or none) is set aside as ``<stage>.ckpt.stale`` and reported in one line, never resumed."""
+        d = self.dir / f"{stage.dir_name(method)}.ckpt"
+        if is_rank0():
+            fingerprinted(d, self.config_hash(stage.reads, inputs or [], stage.name), self.say)
+        barrier()
         return d
 
     def stage(
@@ -143,3 +198,26 @@ class Run:
         self.wall[name] = time.time() - t0
         self.say(f"[{name}] done in {self.wall[name]:.1f} s -> {final}")
         return final
+
+
+def fingerprinted(d: Path, fingerprint: str, say: Callable[[str], None] = print) -> Path:
+    """``d`` as a checkpoint directory of ``fingerprint`` (``Run.checkpoint``)."""
+    fp_file = d / FINGERPRINT
+    if d.exists():
+        old: Any = None
+        if d.is_dir():
+            try:
+                old = json.loads(fp_file.read_text()).get("fingerprint")
+            except (OSError, ValueError, AttributeError):
+                old = None
+            if old == fingerprint:
+                return d
+        if d.is_dir() and old is None and not any(d.iterdir()):
+            pass  # an empty directory: nothing to set aside
+        else:
+            aside = set_aside(d, "stale")
+            why = f"fingerprint {old}, now {fingerprint}" if old else "no fingerprint"
+            say(f"[{d.name}] checkpoint made from other inputs ({why}): set aside as {aside}; starting over")
+    d.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(fp_file, {"fingerprint": fingerprint})
+    return d

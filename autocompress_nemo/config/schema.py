@@ -327,6 +327,12 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     run_dir: str = "runs/${target.name}__${model.name}"
+    cache_dir: str = ""
+    """Where token streams and data-file hashes are cached ("" = ``<run_dir>/.cache``). Several runs
+    may share one (entries are keyed by content); nothing else is written outside ``run_dir``."""
+    fail_exit_code: int = 3
+    """Exit status when the evaluation finds a student over one of its budgets (FAIL); 0 keeps
+    exit status 0 (the verdict is still printed and in the report)."""
     seed: int = 1234
     baseline: bool = False
     """Also run the Minitron++ baseline at the same budget and recovery tokens."""

@@ -65,6 +65,32 @@ def stdlib_documents(root: Path | None = None) -> list[Document]:
     return [Document(p.relative_to(root).as_posix(), _read_text(p)) for p in stdlib_files(root)]
 
 
+def listed_files(base: Path) -> list[Path]:
+    """The files a ``data.paths`` entry stands for: itself, or (a directory) every text file
+    under it (``TEXT_SUFFIXES``), sorted by relative path."""
+    if base.is_file():
+        return [base]
+    return sorted(
+        (p for p in base.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES),
+        key=lambda p: p.relative_to(base).as_posix(),
+    )
+
+
+def corpus_files(data: object) -> list[Path]:
+    """Every file the documents of ``cfg.data`` are read from (kind ``stdlib`` or ``files``; a
+    path that does not exist is left out: loading the documents names it)."""
+    kind = getattr(data, "kind", None) if not isinstance(data, dict) else data.get("kind")
+    get = data.get if isinstance(data, dict) else lambda k, d=None: getattr(data, k, d)
+    if kind == "stdlib":
+        return stdlib_files()
+    out: list[Path] = []
+    for given in list(get("paths", []) or []):
+        base = Path(str(given)).expanduser()
+        if base.exists():
+            out += listed_files(base)
+    return out
+
+
 def file_documents(paths: Sequence[str | Path], jsonl_field: str = "text") -> list[Document]:
     """Documents from files and directories (recursively: .txt .md .rst .py .jsonl).
 
@@ -76,14 +102,7 @@ def file_documents(paths: Sequence[str | Path], jsonl_field: str = "text") -> li
         base = Path(given).expanduser()
         if not base.exists():
             raise DataError(f"data path {given} does not exist; fix data.paths")
-        if base.is_file():
-            files, root = [base], base.parent
-        else:
-            files = sorted(
-                (p for p in base.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES),
-                key=lambda p: p.relative_to(base).as_posix(),
-            )
-            root = base
+        files, root = listed_files(base), (base.parent if base.is_file() else base)
         for f in files:
             rel = f.relative_to(root).as_posix() if base.is_dir() else f.name
             if f.suffix == ".jsonl":

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from autocompress_nemo.distill.optim import Parallel
-from autocompress_nemo.utils.artifacts import write_json_atomic
+from autocompress_nemo.utils.artifacts import set_aside, write_json_atomic
 
 
 def rng_state() -> dict[str, Any]:
@@ -128,10 +128,15 @@ class CheckpointStore:
 
         A checkpoint of another configuration (different steps, batch, learning rate...) is
         not resumed: the run starts over and says why. A checkpoint of another TP/PP/EP layout
-        is an error that names the fix.
+        is an error that names the fix. A checkpoint that cannot be read (an unreadable
+        ``latest.json``, a truncated or corrupted shard on any rank) is reported by path and set
+        aside (``checkpoints.corrupt``): the run starts over.
         """
         meta = self.latest()
         if meta is None:
+            latest = self.root / "latest.json"
+            if latest.exists():
+                self._set_aside(log, latest, "not readable JSON", sync=False)  # every rank reads the same file
             return None
         if meta.get("fingerprint") != self.fingerprint:
             log(
@@ -147,10 +152,37 @@ class CheckpointStore:
                 f"EP={self.par.ep_size}: resume with the same cluster.tp/cluster.pp/cluster.ep, "
                 f"or delete {self.root} to start over"
             )
-        path = self.root / meta["dir"] / self.shard_name
+        path = self.root / str(meta.get("dir")) / self.shard_name
+        state: dict[str, Any] | None = None
+        why = ""
         if not path.is_file():
-            raise FileNotFoundError(
-                f"distill checkpoint {self.root / 'latest.json'} points to {path}, which is "
-                f"missing; delete {self.root} to start over"
-            )
-        return torch.load(path, map_location="cpu", weights_only=False)
+            why = "missing"
+        else:
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=False)
+                lacking = [k for k in ("model", "optimizer", "rng", "step", "history") if k not in (state or {})]
+                if lacking:
+                    why, state = f"not a distillation checkpoint (no {', '.join(lacking)})", None
+            except Exception as e:  # noqa: BLE001 - truncated / corrupted: start over, never crash on it
+                why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+        if not self._all_ranks(state is not None):  # every rank resumes, or none does
+            self._set_aside(log, path, why or "a shard of another rank cannot be read")
+            return None
+        return state
+
+    def _all_ranks(self, ok: bool) -> bool:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or self.par.world == 1:
+            return ok
+        flag = torch.tensor([1.0 if ok else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _set_aside(self, log: Any, path: Path, why: str, sync: bool = True) -> None:
+        where = self.root.with_name(f"{self.root.name}.corrupt")
+        if self.par.is_rank0 and self.root.exists():
+            where = set_aside(self.root, "corrupt")
+        if sync:
+            self.par.barrier()
+        log(f"distill: checkpoint {path} cannot be read ({why}); set aside as {where}; starting from step 0")

@@ -39,6 +39,11 @@ def run_pipeline(cfg: DictConfig) -> dict[str, Any]:
     cfg = with_profile_settings(cfg)
     run, ctx = Run(cfg), Context(cfg)
     ctx.say = run.say
+    with run.session():  # one run per directory (a lock); leftovers of killed stages removed
+        return _run_stages(cfg, run, ctx)
+
+
+def _run_stages(cfg: DictConfig, run: Run, ctx: Context) -> dict[str, Any]:
     wanted = set(cfg.stages)
     out: dict[str, Any] = {"run_dir": str(run.dir)}
 
@@ -61,13 +66,14 @@ def run_pipeline(cfg: DictConfig) -> dict[str, Any]:
         if not wanted & (LATER - {"rank"}):
             break
         inputs = [ranked.dir, prof.dir] + ([validation.dir] if validation else [])
-        ckpt = run.ckpt_dir(search.STAGE.dir_name(m))
         try:
             found = SearchDir(
                 run.run_stage(
                     search.STAGE,
                     ctx,
-                    lambda c, d, m=m, k=ckpt: search.run(c, d, m, ranked, prof, validation, k),
+                    lambda c, d, m=m, i=inputs: search.run(
+                        c, d, m, ranked, prof, validation, run.checkpoint(search.STAGE, i, m)
+                    ),
                     inputs,
                     m,
                 )
@@ -82,11 +88,12 @@ def run_pipeline(cfg: DictConfig) -> dict[str, Any]:
         )
         extracted[m] = student
         if "distill" in wanted:
-            ckpt = run.ckpt_dir(distill.STAGE.dir_name(m))
             student = run.run_stage(
                 distill.STAGE,
                 ctx,
-                lambda c, d, s=student, k=ckpt: distill.run(c, d, ranked, ExtractDir(s), k),
+                lambda c, d, s=student, m=m: distill.run(
+                    c, d, ranked, ExtractDir(s), run.checkpoint(distill.STAGE, [ranked.dir, s], m)
+                ),
                 [ranked.dir, student],
                 m,
             )

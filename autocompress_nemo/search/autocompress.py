@@ -110,6 +110,32 @@ def _save_checkpoint(checkpoint: str, par: Parallel, st: dict[str, Any], weights
     par.barrier()
 
 
+_CHECKPOINT_KEYS = ("router", "opt", "gen", "step", "trajectory", "tokens")
+
+
+def _read_checkpoint(checkpoint: str, par: Parallel, log: Callable[[str], None]) -> dict[str, Any] | None:
+    """The router checkpoint, or ``None`` when it cannot be read (truncated, corrupted, not a
+    router checkpoint): reported by path and set aside (``router.pt.corrupt``) by rank 0."""
+    from autocompress_nemo.utils.artifacts import set_aside
+
+    try:
+        st = torch.load(checkpoint, weights_only=False)
+        missing = [k for k in _CHECKPOINT_KEYS if not isinstance(st, dict) or k not in st]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)}")
+        return st
+    except Exception as e:  # noqa: BLE001 - any unreadable file: start over, never crash on it
+        why = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        where = checkpoint
+        if par.is_rank0 and os.path.exists(checkpoint):
+            where = str(set_aside(checkpoint, "corrupt"))
+        log(
+            f"search: checkpoint {checkpoint} cannot be read ({type(e).__name__}: {why}); "
+            f"set aside as {where}; starting from step 0"
+        )
+        return None
+
+
 def _load_weights(checkpoint: str, par: Parallel, st: dict[str, Any]) -> dict[str, Any]:
     """The shared weights saved with router checkpoint ``st`` for this rank's shard."""
     if par.world == 1:
@@ -184,12 +210,18 @@ def run_router_search(
     par = Parallel.detect()
     router_params = list(router.parameters())
     start, trajectory, tokens = 0, [], 0
-    st = torch.load(checkpoint, weights_only=False) if checkpoint and os.path.exists(checkpoint) else None
+    st = _read_checkpoint(checkpoint, par, log) if checkpoint and os.path.exists(checkpoint) else None
     if st is not None and not all(bool(torch.isfinite(v).all()) for v in st["router"].values()):
         log(f"search: checkpoint {checkpoint} holds non-finite router logits; starting from step 0")
         st = None
     if st is not None:
-        router.load_state_dict(st["router"])
+        try:
+            router.load_state_dict(st["router"])
+        except (RuntimeError, KeyError) as e:  # another search space: the pipeline's fingerprint prevents it
+            raise ValueError(
+                f"search checkpoint {checkpoint} holds a router of another search space ({str(e).splitlines()[0]}); "
+                f"delete {checkpoint} to start over"
+            ) from None
         opt.load_state_dict(st["opt"])
         gen.set_state(st["gen"])
         start, trajectory, tokens = st["step"], st["trajectory"], st["tokens"]

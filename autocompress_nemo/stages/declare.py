@@ -17,8 +17,8 @@ LAYOUT: tuple[str, ...] = (
 """What ``ctx.model`` reads: the parallel layout the Megatron model is built and sharded with."""
 DATA: tuple[str, ...] = ("data", *PARENT)
 """What ``ctx.batch_at`` / ``ctx.heldout_batches`` read: the corpus, and the parent for its tokenizer."""
-ALWAYS: tuple[str, ...] = ("run_dir",)
-"""Where the run lives (token cache, lm-eval task files): never part of a cache key."""
+ALWAYS: tuple[str, ...] = ("run_dir", "cache_dir")
+"""Where the run lives and keeps its caches (token streams, lm-eval task files): never part of a cache key."""
 
 
 @dataclass(frozen=True)

@@ -149,3 +149,17 @@ def artifact(
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+
+
+def set_aside(path: str | os.PathLike[str], why: str) -> Path:
+    """Rename ``path`` (a file or directory) to ``<path>.<why>`` so that nothing reads it again,
+    keeping it for inspection; an earlier copy set aside for the same reason is replaced (a
+    checkpoint can be large: one set-aside copy per reason, not one per rerun). Returns the new path."""
+    p = Path(path)
+    dest = p.with_name(f"{p.name}.{why}")
+    if dest.is_dir() and not dest.is_symlink():
+        shutil.rmtree(dest)
+    elif dest.exists() or dest.is_symlink():
+        dest.unlink()
+    os.replace(p, dest)
+    return dest

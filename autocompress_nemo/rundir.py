@@ -1,0 +1,245 @@
+"""The run directory's guards (DESIGN.md section 2, issue 19).
+
+- **One run per directory**: ``<run_dir>/.lock`` holds the pid, host and command of the run that
+  uses the directory. A second run refuses, naming that pid; a lock whose process is gone (same
+  host) is taken over and said so. The lock is re-entrant within one process (the entry point
+  takes it before Hydra writes anything; the pipeline takes it again).
+- **Leftovers of killed stages** (``<artifact>.tmp-<pid>``, ``<artifact>.old-<pid>``,
+  ``.<file>.tmp-<pid>``) are removed when a run starts: with the lock held no other run writes here.
+- **Filesystem problems** (a ``run_dir`` that is a file, an unwritable or read-only parent, a full
+  disk) are one line naming the path (:class:`RunDirError`, :func:`describe_os_error`).
+- **The config record**: Hydra writes ``<run_dir>/.hydra/{config,overrides,hydra}.yaml`` for every
+  accepted invocation; the previous record is moved to ``.hydra/history/<time>/`` first, so each
+  invocation keeps one record and a rejected command (validated before Hydra starts) writes none.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+LOCK = ".lock"
+_LEFTOVER = re.compile(r"\.(tmp|old)-(\d+)$")
+_HELD: dict[Path, int] = {}
+"""Locks this process holds: run directory -> how many times taken (re-entrant)."""
+
+
+class RunDirError(ValueError):
+    """A run directory that cannot be used; the message names the path and the fix."""
+
+
+# -- filesystem ------------------------------------------------------------------------------------
+_FIX = {
+    errno.ENOSPC: "free space on that disk, or give run_dir on another one",
+    errno.EDQUOT: "free space in your quota, or give run_dir on another disk",
+    errno.EACCES: "make it writable, or give a run_dir you can write to",
+    errno.EPERM: "make it writable, or give a run_dir you can write to",
+    errno.EROFS: "the file system is read-only: give run_dir on a writable one",
+    errno.ENOTDIR: "a path component is a file: give run_dir=<a directory path>",
+    errno.EEXIST: "a file is in the way: move it, or give another run_dir",
+}
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line for a filesystem error: what, the path, the fix."""
+    name = errno.errorcode.get(e.errno or 0, "")
+    where = e.filename if e.filename is not None else "(path unknown)"
+    what = e.strerror or str(e)
+    fix = _FIX.get(e.errno or -1, "")
+    return f"{what}{f' ({name})' if name else ''}: {where}" + (f"; {fix}" if fix else "")
+
+
+def usable_problems(run_dir: str | os.PathLike[str]) -> list[str]:
+    """Why ``run_dir`` cannot hold a run (empty when it can): it is a file, a component of its path
+    is a file, or the directory (or its nearest existing ancestor) is not writable."""
+    p = Path(run_dir).expanduser().absolute()
+    if p.exists() and not p.is_dir():
+        return [f"run_dir={run_dir}: {p} is a file, not a directory; give run_dir=<a directory path>"]
+    anc = p
+    while not anc.exists():
+        anc = anc.parent
+    if not anc.is_dir():
+        return [f"run_dir={run_dir}: {anc} is a file, so {p} cannot be created; give run_dir=<a directory path>"]
+    if not os.access(anc, os.W_OK | os.X_OK):
+        what = "the run directory" if anc == p else f"{anc} (where {p} would be created)"
+        return [f"run_dir={run_dir}: {what} is not writable; make it writable, or give a run_dir you can write to"]
+    return []
+
+
+def make_dir(run_dir: str | os.PathLike[str]) -> Path:
+    """``run_dir`` created (with its parents); a filesystem error becomes :class:`RunDirError`."""
+    p = Path(run_dir).expanduser()
+    problems = usable_problems(p)
+    if problems:
+        raise RunDirError(problems[0])
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise RunDirError(f"run_dir={run_dir}: {describe_os_error(e)}") from None
+    return p.resolve()
+
+
+# -- the lock ----------------------------------------------------------------------------------------
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def read_lock(run_dir: Path) -> dict | None:
+    try:
+        got = json.loads((Path(run_dir) / LOCK).read_text())
+        return got if isinstance(got, dict) else {}
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError):
+        return {}  # unreadable: written by nothing we know, treated as stale
+
+
+def acquire_lock(run_dir: str | os.PathLike[str], say: Callable[[str], None] = print) -> Path:
+    """Take ``<run_dir>/.lock`` for this process, or raise :class:`RunDirError` naming the live
+    holder. A lock of a process that is gone (on this host), or an unreadable one, is taken over."""
+    d = Path(run_dir).resolve()
+    if _HELD.get(d):
+        _HELD[d] += 1
+        return d / LOCK
+    me = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": " ".join(sys.argv),
+    }
+    tmp = d / f".lock.tmp-{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(me))
+        for _ in range(3):
+            if _link(tmp, d / LOCK):  # atomic: fails when a lock exists
+                break
+            else:
+                held = read_lock(d)
+                if held is None:
+                    continue  # released meanwhile
+                pid, host = held.get("pid"), held.get("host")
+                if pid == os.getpid() and host == me["host"]:
+                    break  # ours (taken before a fork or by an earlier call)
+                if isinstance(pid, int) and host == me["host"] and _alive(pid):
+                    raise RunDirError(
+                        f"run directory {d} is in use by another run (pid {pid}, started {held.get('started')}: "
+                        f"{held.get('command', '?')}); wait for it to finish, or give another run_dir"
+                    )
+                if isinstance(pid, int) and host != me["host"]:
+                    raise RunDirError(
+                        f"run directory {d} is locked by pid {pid} on host {host} (started {held.get('started')}); "
+                        f"if that run is gone, delete {d / LOCK}"
+                    )
+                who = f"pid {pid} (no such process)" if isinstance(pid, int) else "an unreadable lock"
+                say(f"[run] taking over the stale lock of {who}: {d / LOCK}")
+                (d / LOCK).unlink(missing_ok=True)
+        else:
+            raise RunDirError(f"could not take the lock {d / LOCK}; if no run uses {d}, delete it")
+    except OSError as e:
+        raise RunDirError(f"run_dir={d}: {describe_os_error(e)}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    _HELD[d] = 1
+    return d / LOCK
+
+
+def _link(src: Path, dest: Path) -> bool:
+    """Create ``dest`` holding ``src``'s text, atomically; False when ``dest`` exists."""
+    try:
+        os.link(src, dest)
+    except FileExistsError:
+        return False
+    except OSError as e:  # a file system without hard links: exclusive create instead
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+            raise
+        try:
+            fd = os.open(dest, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(src.read_text())
+    return True
+
+
+def release_lock(run_dir: str | os.PathLike[str]) -> None:
+    d = Path(run_dir).resolve()
+    n = _HELD.get(d, 0)
+    if n > 1:
+        _HELD[d] = n - 1
+        return
+    _HELD.pop(d, None)
+    held = read_lock(d)
+    if held and held.get("pid") == os.getpid():
+        (d / LOCK).unlink(missing_ok=True)
+
+
+@contextmanager
+def locked(run_dir: str | os.PathLike[str], say: Callable[[str], None] = print) -> Iterator[Path]:
+    acquire_lock(run_dir, say)
+    try:
+        yield Path(run_dir).resolve()
+    finally:
+        release_lock(run_dir)
+
+
+# -- leftovers ---------------------------------------------------------------------------------------
+def clean_leftovers(run_dir: str | os.PathLike[str], say: Callable[[str], None] = print) -> list[Path]:
+    """Remove what killed stages left (``*.tmp-<pid>``, ``*.old-<pid>``) anywhere in the run
+    directory, except this process's own. Call with the lock held."""
+    d = Path(run_dir)
+    gone: list[Path] = []
+    for p in sorted(d.rglob("*"), key=lambda q: len(q.parts)):
+        m = _LEFTOVER.search(p.name)
+        if not m or int(m.group(2)) == os.getpid() or any(g in p.parents for g in gone):
+            continue
+        try:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        except OSError:
+            continue
+        gone.append(p)
+    if gone:
+        names = ", ".join(str(p.relative_to(d)) for p in gone[:5]) + (" ..." if len(gone) > 5 else "")
+        say(f"[run] removed {len(gone)} leftover(s) of killed stages: {names}")
+    return gone
+
+
+# -- the config record -------------------------------------------------------------------------------
+def archive_config_record(run_dir: str | os.PathLike[str], subdir: str = ".hydra") -> Path | None:
+    """Move the previous invocation's ``<run_dir>/.hydra/*.yaml`` to ``.hydra/history/<time>/``
+    (its config.yaml's modification time) before Hydra writes the new one."""
+    rec = Path(run_dir) / subdir
+    files = [f for f in rec.glob("*.yaml") if f.is_file()] if rec.is_dir() else []
+    if not files:
+        return None
+    cfg = rec / "config.yaml"
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((cfg if cfg.exists() else files[0]).stat().st_mtime))
+    dest = rec / "history" / stamp
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = rec / "history" / f"{stamp}-{n}"
+    dest.mkdir(parents=True)
+    for f in files:
+        os.replace(f, dest / f.name)
+    return dest
