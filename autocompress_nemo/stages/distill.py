@@ -32,6 +32,7 @@ def run(ctx: Context, out: Path, rank: RankDir, student: ExtractDir, ckpt_dir: P
         d,
         ckpt_dir,
         int(ctx.cfg.seed),
+        log=ctx.say,  # resumed / set aside: on the run's output, with the stage lines
     )
     save_weights(out, cspec, ctx.to_hf(cspec, model))
     write_json_atomic(DistillDir(out).record, result)
