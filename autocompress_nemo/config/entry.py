@@ -16,7 +16,10 @@ The target group is not in ``run.yaml``'s defaults list (so that ``+target=<name
 the README shows); ``target=<name>`` is accepted too and no target means ``cpu_chat``. That is
 a small rewrite of the command line before Hydra sees it (:func:`normalize_overrides`).
 Unknown choices of a config group and every validation problem end in one message on stderr
-and exit status 2, never a traceback.
+and exit status 2, never a traceback — and before Hydra creates or writes anything in the run
+directory (:func:`preflight`): a rejected command leaves a finished run's ``.hydra/`` as it was.
+Hydra's flags (``--cfg job``, ``--help``, ``--info`` ...) work wherever they are placed
+(:func:`flags_first`).
 """
 
 from __future__ import annotations
@@ -66,6 +69,46 @@ def normalize_overrides(args: Sequence[str]) -> list[str]:
     return rest[:first] + targets + rest[first:]
 
 
+_VALUED_FLAGS = {
+    "--cfg",
+    "-c",
+    "--package",
+    "-p",
+    "--config-path",
+    "-cp",
+    "--config-name",
+    "-cn",
+    "--config-dir",
+    "-cd",
+    "--experimental-rerun",
+    "--shell-completion",
+    "-sc",
+}
+_INFO_CHOICES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+SHOW_ONLY = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--version", "--shell-completion", "-sc")
+"""Flags that only print: no task runs, nothing is written, nothing is validated up front."""
+
+
+def flags_first(args: Sequence[str]) -> list[str]:
+    """Hydra's flags (and their values) before the overrides: Hydra's parser takes the overrides as
+    one positional list, so ``a=1 --cfg job b=2`` would fail with "unrecognized arguments"."""
+    flags, rest = [], []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("-"):
+            flags.append(a)
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            takes = a in _VALUED_FLAGS or (a in ("--info", "-i") and nxt in _INFO_CHOICES)
+            if takes and nxt is not None:
+                flags.append(nxt)
+                i += 1
+        else:
+            rest.append(a)
+        i += 1
+    return flags + rest
+
+
 def check_choices(args: Sequence[str]) -> None:
     """Raise :class:`ConfigError` for every ``group=name`` whose config does not exist, listing
     the available names (``model``, ``target``, ``search`` ... and a target's parts)."""
@@ -107,26 +150,28 @@ def compose(overrides: Sequence[str] | None = None) -> DictConfig:
             raise ConfigError([_first_lines(str(e) + cause)]) from None
 
 
-def hydra_entry(task_fn: Callable[[DictConfig], Any]) -> Callable[[], Any]:
+def hydra_entry(task_fn: Callable[[DictConfig], Any], lock_run_dir: bool = False) -> Callable[[], Any]:
     """Wrap ``task_fn(cfg)`` as a command-line program: returns ``main()``.
 
     ``main()`` rewrites the command line (:func:`normalize_overrides`), checks group choices,
     runs ``hydra.main`` on the package's ``conf/run.yaml`` (so ``--help``, ``--cfg job``,
     ``--multirun`` and every override work as in any Hydra app), validates the composed config
     and calls ``task_fn(cfg)``. Bad choices and invalid configs exit with status 2 and one
-    message on stderr.
+    message on stderr, before Hydra writes anything (:func:`preflight`). ``lock_run_dir``: take
+    the run directory's lock before Hydra writes its config record there (a second run refuses).
     """
 
     @functools.wraps(task_fn)
     def main() -> Any:
         register_configs()
-        args = normalize_overrides(sys.argv[1:])
+        args = flags_first(normalize_overrides(sys.argv[1:]))
         try:
             check_choices(args)
         except ConfigError as e:
             _fail(e)
         if not any(a.startswith("hydra.job.name=") for a in args):
             args.append(f"hydra.job.name={_job_name(task_fn)}")
+        run_dir = preflight(args, lock=lock_run_dir)
         sys.argv = [sys.argv[0], *args]
 
         @hydra.main(config_path=str(CONF_DIR), config_name=CONFIG_NAME, version_base="1.3")
@@ -137,9 +182,46 @@ def hydra_entry(task_fn: Callable[[DictConfig], Any]) -> Callable[[], Any]:
                 _fail(e)
             return task_fn(cfg)
 
-        return _run()
+        try:
+            return _run()
+        finally:
+            if run_dir is not None:
+                from autocompress_nemo.rundir import release_lock
+
+                release_lock(run_dir)
 
     return main
+
+
+def preflight(args: Sequence[str], lock: bool = False) -> str | None:
+    """Compose and validate the command line's overrides *before* Hydra runs: Hydra creates the run
+    directory and writes ``.hydra/`` and the log file before the task starts, so a rejected command
+    would otherwise leave debris (or overwrite a finished run's record). Exits with status 2 and one
+    message on a problem. With ``lock``, takes the run directory's lock (a second run refuses,
+    naming the holder's pid) and returns the run directory (the caller releases it). The previous
+    config record is moved to ``.hydra/history/`` so every accepted invocation keeps its own.
+    Skipped for flags that only print (``--cfg``, ``--help``) and for ``--multirun`` sweeps."""
+    if any(a in SHOW_ONLY or a in ("--multirun", "-m") for a in args):
+        return None
+    overrides = [a for a in args if not a.startswith("-") and not a.lstrip("+~").startswith("hydra.")]
+    try:
+        cfg = compose(overrides)
+        validate(cfg)
+    except ConfigError as e:
+        _fail(e)
+    if cfg.dry_run:
+        return None
+    from autocompress_nemo.rundir import RunDirError, acquire_lock, archive_config_record, make_dir
+
+    try:
+        run_dir = str(make_dir(str(cfg.run_dir)))
+        if lock:
+            acquire_lock(run_dir, say=lambda s: print(s, flush=True))
+        archive_config_record(run_dir)
+    except (RunDirError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return run_dir if lock else None
 
 
 def _job_name(task_fn: Callable[..., Any]) -> str:

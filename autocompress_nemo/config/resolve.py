@@ -207,7 +207,8 @@ class ModelSourceError(ValueError):
 def model_file(model: Any) -> Path | None:
     """The weight file / directory of ``cfg.model`` (``None`` for ``random`` and ``none``).
 
-    ``gguf`` and ``hf``: ``source.path`` (``~`` expanded, relative to the working directory).
+    ``gguf`` and ``hf``: ``source.path`` (``~`` expanded, relative to the working directory); a
+    ``gguf`` path that is a directory means ``<path>/<source.file>``.
     ``package``: ``<installed package dir>/<source.file>``. Does not check that it exists
     (``validate`` does); raises :class:`ModelSourceError` when the package is not installed.
     """
@@ -217,7 +218,12 @@ def model_file(model: Any) -> Path | None:
         return None
     if kind in ("gguf", "hf"):
         path = str(_get(src, "path", "") or "")
-        return Path(path).expanduser() if path else None
+        if not path:
+            return None
+        p = Path(path).expanduser()
+        file = str(_get(src, "file", "") or "")
+        # gguf: source.path is the file, or a directory holding source.file (the loader's rule too)
+        return p / file if kind == "gguf" and file and p.is_dir() else p
     if kind == "package":
         package, file = str(_get(src, "package", "")), str(_get(src, "file", ""))
         spec = importlib.util.find_spec(package) if package else None

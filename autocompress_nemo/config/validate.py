@@ -6,6 +6,7 @@ the dotted field, the bad value and the fix. Derived values come from ``resolve.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,8 @@ def collect_problems(cfg: Any) -> list[str]:
         _check_data,
         _check_cluster,
         _check_run,
+        _check_unknown_keys,
+        _check_lengths,
     ):
         try:
             problems += check(c, model, target)
@@ -73,9 +76,15 @@ def _missing(v: Any) -> bool:
     return v == "???" or v is None
 
 
+def _number(value: Any) -> bool:
+    """A finite int or float (``nan`` and ``inf`` are not numbers a setting can take)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _pos(problems: list[str], where: str, value: Any, what: str = "must be positive") -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-        problems.append(f"{where}={value!r} {what}")
+    if not _number(value) or value <= 0:
+        finite = _number(value) or not isinstance(value, float)
+        problems.append(f"{where}={value!r} {what}" + ("" if finite else ": give a finite number"))
 
 
 # -- model ----------------------------------------------------------------------------------------
@@ -91,7 +100,7 @@ def _check_model(c: dict, m: dict, t: dict) -> list[str]:
     if kind not in SOURCE_KINDS:
         p.append(f"model.source.kind={kind!r} is unknown; use one of {', '.join(SOURCE_KINDS)}")
     elif not c.get("dry_run"):
-        p += _check_weights(name, src)
+        p += _check_weights(name, src, m)
     for key in ("hidden", "vocab"):
         _pos(p, f"model.{key}", m.get(key))
     pattern = m.get("pattern") or ""
@@ -129,7 +138,7 @@ def _check_model(c: dict, m: dict, t: dict) -> list[str]:
 _KIND_NAME = {"*": "attention", "-": "mlp", "E": "moe", "M": "mamba"}
 
 
-def _check_weights(name: str, src: dict) -> list[str]:
+def _check_weights(name: str, src: dict, m: dict | None = None) -> list[str]:
     kind = src.get("kind")
     if kind in ("random", "none"):
         return []
@@ -153,7 +162,17 @@ def _check_weights(name: str, src: dict) -> list[str]:
         return [f"model {name}: weight file {path} does not exist ({where}); {fix}"]
     if kind == "hf" and path.is_dir() and not (path / "config.json").exists():
         return [f"model {name}: {path} has no config.json; model.source.path must be a Hugging Face model directory"]
-    return []
+    from autocompress_nemo.config import files
+
+    where = "model.source.file" if kind == "package" else "model.source.path"
+    if kind == "hf":
+        return files.safetensors_problems(path, where) if path.is_dir() else []
+    if path.is_dir():
+        return [
+            f"model {name}: {where}={path} is a directory; give the .gguf file itself, "
+            "or model.source.file=<the .gguf file in it>"
+        ]
+    return files.gguf_problems(path, where, m or {})
 
 
 # -- target ----------------------------------------------------------------------------------------
@@ -322,8 +341,8 @@ def _check_search(c: dict, m: dict, t: dict) -> list[str]:
     if not (isinstance(s.get("slack"), float | int) and 0 <= s["slack"] < 1):
         p.append(f"search.slack={s.get('slack')!r} must be in [0, 1)")
     for key in ("penalty_over", "penalty_under", "weight_lr", "grow_threshold"):
-        if not isinstance(s.get(key), float | int) or s[key] < 0:
-            p.append(f"search.{key}={s.get(key)!r} must be >= 0")
+        if not _number(s.get(key)) or s[key] < 0:
+            p.append(f"search.{key}={s.get(key)!r} must be a finite number >= 0")
     p += _check_engine_settings(s.get("profile_settings") or {}, "search.profile_settings")
     return p
 
@@ -364,8 +383,16 @@ def _check_distill(c: dict, m: dict, t: dict) -> list[str]:
     for key in ("batch_size", "seq_len", "lr", "temperature", "checkpoint_every", "log_every"):
         _pos(p, f"distill.{key}", d.get(key))
     for key in ("tokens", "warmup_steps", "min_lr", "intermediate_weight"):
-        if not isinstance(d.get(key), int | float) or d[key] < 0:
-            p.append(f"distill.{key}={d.get(key)!r} must be >= 0")
+        if not _number(d.get(key)) or d[key] < 0:
+            p.append(f"distill.{key}={d.get(key)!r} must be a finite number >= 0")
+    bs, seq = d.get("batch_size"), d.get("seq_len")
+    step = bs * seq if isinstance(bs, int) and isinstance(seq, int) and bs > 0 and seq > 0 else 0
+    if "distill" in (c.get("stages") or STAGES) and _number(d.get("tokens")) and step > 0:
+        if d["tokens"] < step:
+            p.append(
+                f"distill.tokens={d['tokens']} is less than one step (distill.batch_size x distill.seq_len = "
+                f"{step} tokens); give distill.tokens >= {step}, or leave distill out of stages"
+            )
     if isinstance(d.get("lr"), float | int) and isinstance(d.get("min_lr"), float | int) and d["min_lr"] > d["lr"]:
         p.append(f"distill.min_lr={d['min_lr']} is above distill.lr={d['lr']}")
     return p
@@ -387,6 +414,10 @@ def _check_data(c: dict, m: dict, t: dict) -> list[str]:
         p.append(f"data.holdout_fraction={hf!r} must be in [0, 1)")
     if not isinstance(d.get("max_documents"), int) or d["max_documents"] < 0:
         p.append(f"data.max_documents={d.get('max_documents')!r} must be >= 0 (0 = all)")
+    if not p:
+        from autocompress_nemo.config.files import data_problems
+
+        p += data_problems(c)
     return p
 
 
@@ -443,4 +474,64 @@ def _check_run(c: dict, m: dict, t: dict) -> list[str]:
         p.append(f"stages={order} are out of order; the pipeline order is {', '.join(STAGES)}")
     if not c.get("run_dir"):
         p.append("run_dir is empty; give a directory for the run's artifacts")
+    elif not c.get("dry_run"):
+        from autocompress_nemo.rundir import usable_problems
+
+        p += usable_problems(str(c["run_dir"]))
+    if c.get("cache_dir"):
+        from autocompress_nemo.rundir import usable_problems
+
+        p += [q.replace("run_dir", "cache_dir", 1) for q in usable_problems(str(c["cache_dir"]))]
+    if not isinstance(c.get("fail_exit_code", 0), int) or not 0 <= c.get("fail_exit_code", 0) <= 255:
+        p.append(f"fail_exit_code={c.get('fail_exit_code')!r} must be an exit status, 0..255 (0: exit 0 on FAIL)")
+    return p
+
+
+def _check_lengths(c: dict, m: dict, t: dict) -> list[str]:
+    """Sequence lengths within the model's context (``model.max_position``)."""
+    maxpos = m.get("max_position")
+    if not isinstance(maxpos, int) or maxpos <= 0:
+        return []
+    p = []
+    for key in ("search.seq_len", "search.judge_seq_len", "distill.seq_len", "evaluate.seq_len"):
+        sec, _, leaf = key.partition(".")
+        v = (c.get(sec) or {}).get(leaf)
+        if isinstance(v, int) and v > maxpos:
+            p.append(
+                f"{key}={v} is longer than model {m.get('name')}'s context (model.max_position={maxpos}); "
+                f"give {key}<={maxpos}"
+            )
+    return p
+
+
+def _check_unknown_keys(c: dict, m: dict, t: dict) -> list[str]:
+    """Keys the typed schema does not have (``+search.stepz=3`` adds one in struct mode: Hydra's own
+    suggestion for a misspelt key), with the closest known name."""
+    from autocompress_nemo.config.schema import RunConfig
+
+    return _unknown(c, RunConfig, "")
+
+
+def _unknown(node: Any, cls: Any, where: str) -> list[str]:
+    import dataclasses
+    import difflib
+    import typing
+
+    if not isinstance(node, dict):
+        return []
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    p = []
+    for k, v in node.items():
+        key = f"{where}{k}"
+        if k not in hints:
+            near = difflib.get_close_matches(str(k), names, n=1)
+            section = where.rstrip(".") or "the run config"
+            p.append(
+                f"{key}={v!r}: {section} has no setting {k!r}"
+                + (f"; did you mean {where}{near[0]}?" if near else f"; its settings are {', '.join(names)}")
+                + f" (remove +{key})"
+            )
+        elif dataclasses.is_dataclass(hints[k]):
+            p += _unknown(v, hints[k], f"{key}.")
     return p

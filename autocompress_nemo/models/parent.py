@@ -50,8 +50,8 @@ def resolve_source_path(model_cfg: Any) -> Path | None:
         return package_file(str(_get(src, "package")), str(_get(src, "file")))
     if kind in ("gguf", "hf"):
         p = Path(str(_get(src, "path"))).expanduser()
-        if kind == "gguf" and _get(src, "file"):
-            p = p / str(_get(src, "file"))
+        if kind == "gguf" and _get(src, "file") and p.is_dir():  # a directory and the file in it
+            p = p / str(_get(src, "file"))  # (config/resolve.model_file: the same rule)
         if not p.exists():
             raise FileNotFoundError(f"model.source.path: {p} does not exist (model {_get(model_cfg, 'name')!r})")
         return p

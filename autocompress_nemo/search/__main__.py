@@ -131,17 +131,56 @@ def with_profile_settings(cfg: DictConfig) -> DictConfig:
 
 def _task(cfg: DictConfig) -> dict[str, Any]:
     """Bad input (an impossible budget, a missing file, a table for another target) ends with
-    its message, not a traceback; ``AUTOCOMPRESS_DEBUG=1`` shows the traceback."""
+    its message, not a traceback; ``AUTOCOMPRESS_DEBUG=1`` shows the traceback. A filesystem error
+    (not writable, disk full) is one line naming the path. A budget the parent already meets stops
+    cleanly (exit status 0, nothing to compress). A student over a budget in the evaluation exits
+    with ``fail_exit_code`` (default 3)."""
+    from autocompress_nemo.rundir import describe_os_error
+    from autocompress_nemo.search.autocompress import ParentMeetsBudget
+
     try:
-        return run_pipeline(cfg)
+        out = run_pipeline(cfg)
+    except ParentMeetsBudget as e:
+        print(f"autocompress: nothing to compress: {e}", flush=True)
+        sys.exit(0)
     except (ValueError, FileNotFoundError) as e:
         if os.environ.get("AUTOCOMPRESS_DEBUG"):
             raise
         print(f"autocompress: error: {e}\n(run with AUTOCOMPRESS_DEBUG=1 for the traceback)", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # not writable, read-only, disk full: the path, not a traceback
+        if os.environ.get("AUTOCOMPRESS_DEBUG"):
+            raise
+        print(f"autocompress: error: {describe_os_error(e)}", file=sys.stderr)
+        sys.exit(2)
+    failed = failing_students(out)
+    if failed and int(cfg.fail_exit_code):
+        print(
+            f"autocompress: FAIL: {'; '.join(failed)} (exit status {int(cfg.fail_exit_code)}; "
+            "fail_exit_code=0 exits 0)",
+            file=sys.stderr,
+        )
+        sys.exit(int(cfg.fail_exit_code))
+    return out
 
 
-main = hydra_entry(_task)
+def failing_students(out: dict[str, Any]) -> list[str]:
+    """``"<student>: <metric> <measured> > <budget>"`` for every student the evaluation found over a budget."""
+    import json
+
+    path = out.get("evaluation")
+    if not path or not Path(path).is_file():
+        return []
+    models = json.loads(Path(path).read_text()).get("models", {})
+    return [
+        f"{name} misses its budget: "
+        + ", ".join(f"{k} {c['measured']:.4g} (budget {c['budget']:.4g})" for k, c in checks.items() if not c["pass"])
+        for name, r in models.items()
+        if name != "parent" and (checks := r.get("budget_check") or {}) and not all(c["pass"] for c in checks.values())
+    ]
+
+
+main = hydra_entry(_task, lock_run_dir=True)
 
 if __name__ == "__main__":
     main()

@@ -160,6 +160,10 @@ def _load_weights(checkpoint: str, par: Parallel, st: dict[str, Any]) -> dict[st
     return torch.load(path, weights_only=False)
 
 
+class ParentMeetsBudget(ValueError):
+    """The parent already meets every budget: there is nothing to compress (the run stops cleanly)."""
+
+
 def check_budget_reachable(
     parent: ArchSpec, decisions: list[Decision], costs: CostFunctions, budgets: dict[str, float]
 ) -> str | None:

@@ -99,7 +99,7 @@ def search_core(
     ``describe(spec)`` a one-line shape for the log."""
     from autocompress_nemo.costs.predictor import Predictor
     from autocompress_nemo.extract.archjson import arch_record
-    from autocompress_nemo.search.autocompress import SearchOutcome, check_budget_reachable, run_router_search
+    from autocompress_nemo.search.autocompress import ParentMeetsBudget, check_budget_reachable, run_router_search
     from autocompress_nemo.search.minitron import run_minitron_pp
     from autocompress_nemo.search.space import apply_choices, build_space
 
@@ -115,11 +115,12 @@ def search_core(
     )
     verdict = check_budget_reachable(spec, decisions, costs, budget)
     model: torch.nn.Module | None = None
-    if verdict == "parent":
-        ctx.say(f"[search:{method}] the parent already meets every budget: returning the parent")
-        outcome = SearchOutcome(
-            [d.parent_option for d in decisions],
-            [[float(k == d.parent_option) for k in range(len(d.options))] for d in decisions],
+    if verdict == "parent":  # distilling the parent into itself would only copy it: stop (README)
+        pc = costs.predict(spec)
+        raise ParentMeetsBudget(
+            f"the parent {describe(spec)} already meets every budget ("
+            + ", ".join(f"{m} {pc[m]:.4g} <= {b:.4g}" for m, b in budget.items())
+            + "); tighten target.budget (e.g. target.budget.constraints.0.value=0.6x) for a smaller student"
         )
     else:
         model = ctx.model(spec, sd)

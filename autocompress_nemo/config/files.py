@@ -1,0 +1,248 @@
+"""What validation can check in the files a config names, cheaply (seconds, before any stage).
+
+- **GGUF**: the magic, the header, the metadata and the tensor table are parsed (no tensor is
+  read); every tensor's data must lie inside the file (a truncated download is caught here, not
+  three minutes later in the dequantizer); the shape (hidden, layers, vocab) is compared with the
+  model config.
+- **safetensors** (Hugging Face directories): each file's header parses and its tensors lie inside it.
+- **data** (``data.kind=files``): every file is text (no NUL bytes in its first 64 KB), a file given
+  directly is not empty, the split leaves documents on both sides, and both sides hold enough
+  text for the sequence lengths the chosen stages use (at most one token per byte plus one
+  end-of-document token per document: a corpus below that bound certainly has too few tokens).
+
+Each problem names the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_MEMO: dict[tuple[str, int, int], dict[str, Any]] = {}
+BINARY_PROBE = 1 << 16
+FULL_CHECK_BYTES = 256 << 20
+"""Corpora up to this size are split into documents at validation (the held-out check)."""
+
+
+class _Reader:
+    def __init__(self, f: Any, size: int):
+        self.f, self.size = f, size
+
+    def read(self, n: int) -> bytes:
+        b = self.f.read(n)
+        if len(b) != n:
+            raise EOFError(f"ends inside the header (at byte {self.f.tell()} of {self.size})")
+        return b
+
+    def u32(self) -> int:
+        return struct.unpack("<I", self.read(4))[0]
+
+    def u64(self) -> int:
+        return struct.unpack("<Q", self.read(8))[0]
+
+    def string(self) -> str:
+        n = self.u64()
+        if n > self.size:
+            raise ValueError(f"a string of {n} bytes in a file of {self.size}: not a GGUF header")
+        return self.read(n).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int, keep: bool = True) -> Any:
+        if vtype in _GGUF_SCALARS:
+            fmt = _GGUF_SCALARS[vtype]
+            return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
+            etype, n = self.u32(), self.u64()
+            if n > self.size:
+                raise ValueError(f"an array of {n} entries in a file of {self.size}: not a GGUF header")
+            if etype in _GGUF_SCALARS:  # skip or keep a whole numeric array at once
+                width = struct.calcsize(_GGUF_SCALARS[etype])
+                raw = self.read(width * n)
+                return list(struct.unpack(f"<{n}{_GGUF_SCALARS[etype][1]}", raw)) if keep and n <= 4096 else n
+            out = [self.value(etype, keep=False) for _ in range(n)]
+            return out if keep and n <= 4096 else n
+        raise ValueError(f"unknown metadata value type {vtype}: not a GGUF file, or a damaged one")
+
+
+def read_gguf_header(path: Path) -> dict[str, Any]:
+    """``{"version", "metadata", "tensors": {name: (dims, type, offset)}, "data_start", "size"}``
+    of a GGUF file (no tensor data read). Raises ``ValueError`` / ``EOFError`` naming what is wrong."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key in _MEMO:
+        return _MEMO[key]
+    with open(path, "rb") as f:
+        r = _Reader(f, st.st_size)
+        magic = f.read(4)
+        if magic != b"GGUF":
+            raise ValueError(f"not a GGUF file (it starts with {magic!r}, a GGUF file with b'GGUF')")
+        version = r.u32()
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
+        n_tensors, n_kv = r.u64(), r.u64()
+        if n_tensors > st.st_size or n_kv > st.st_size:
+            raise ValueError(f"header claims {n_tensors} tensors and {n_kv} metadata entries: damaged")
+        meta: dict[str, Any] = {}
+        for _ in range(n_kv):
+            k = r.string()
+            meta[k] = r.value(r.u32())
+        tensors: dict[str, tuple[list[int], int, int]] = {}
+        for _ in range(n_tensors):
+            name = r.string()
+            dims = [r.u64() for _ in range(r.u32())]
+            ttype, offset = r.u32(), r.u64()
+            tensors[name] = (dims, ttype, offset)
+        align = int(meta.get("general.alignment", 32) or 32)
+        data_start = -(-f.tell() // align) * align
+    out = {"version": version, "metadata": meta, "tensors": tensors, "data_start": data_start, "size": st.st_size}
+    _MEMO[key] = out
+    return out
+
+
+def _tensor_bytes(dims: list[int], ttype: int) -> int | None:
+    try:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+    except Exception:  # noqa: BLE001 - an unknown type: the engine reports it
+        return None
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n // block * size
+
+
+def gguf_problems(path: Path, where: str, model: dict[str, Any]) -> list[str]:
+    """Problems of a GGUF parent file (``where``: the field that names it)."""
+    fix = f"check {where} (a complete .gguf file), or download it again"
+    try:
+        h = read_gguf_header(path)
+    except (ValueError, EOFError, OSError, UnicodeDecodeError) as e:
+        return [f"{where}: {path} is not a readable GGUF file: {e}; {fix}"]
+    for name, (dims, ttype, offset) in h["tensors"].items():
+        nbytes = _tensor_bytes(dims, ttype)
+        end = h["data_start"] + offset + (nbytes or 0)
+        if end > h["size"]:
+            return [
+                f"{where}: {path} is truncated: tensor {name} ends at byte {end:,}, the file has "
+                f"{h['size']:,} bytes; {fix}"
+            ]
+    meta = h["metadata"]
+    arch = meta.get("general.architecture")
+    p: list[str] = []
+    have = {
+        "hidden": meta.get(f"{arch}.embedding_length"),
+        "num_layers": meta.get(f"{arch}.block_count"),
+    }
+    emb = h["tensors"].get("token_embd.weight")
+    if emb and len(emb[0]) == 2:
+        have["vocab"] = int(emb[0][1])
+    for k, v in have.items():
+        want = model.get(k)
+        if isinstance(v, int) and isinstance(want, int) and want and v != want:
+            p.append(
+                f"model.{k}={want} but {path} has {k} {v}: the file is another model than model={model.get('name')}; "
+                f"choose the model config of that file, or the file of this model"
+            )
+    return p
+
+
+def safetensors_problems(directory: Path, where: str) -> list[str]:
+    """Problems of the ``*.safetensors`` files of a Hugging Face directory."""
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        return [f"{where}: {directory} holds no *.safetensors file; give a Hugging Face model directory"]
+    for f in files:
+        size = f.stat().st_size
+        try:
+            with open(f, "rb") as fh:
+                raw = fh.read(8)
+                if len(raw) != 8:
+                    raise ValueError("shorter than its 8-byte header length")
+                (n,) = struct.unpack("<Q", raw)
+                if n > min(size, 100 << 20):
+                    raise ValueError(f"header length {n} does not fit the file")
+                header = json.loads(fh.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+            if 8 + n + end > size:
+                raise ValueError(f"truncated: its tensors end at byte {8 + n + end:,}, the file has {size:,}")
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            return [f"{where}: {f} is not a readable safetensors file ({e}); download the model again"]
+    return []
+
+
+# -- data -------------------------------------------------------------------------------------------
+def _is_binary(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return b"\0" in f.read(BINARY_PROBE)
+
+
+def data_problems(c: dict[str, Any]) -> list[str]:
+    """Problems of ``data.kind=files`` for the stages ``c`` runs (see the module docstring)."""
+    from autocompress_nemo.data.corpus import DataError, listed_files, load_documents, split_documents
+
+    d = c.get("data") or {}
+    stages = set(c.get("stages") or [])
+    if d.get("kind") != "files" or not stages & {"rank", "search", "extract", "distill", "evaluate", "export"}:
+        return []
+    p: list[str] = []
+    files: list[Path] = []
+    for given in d.get("paths") or []:
+        base = Path(str(given)).expanduser()
+        if not base.exists():
+            continue  # named by _check_data
+        listed = listed_files(base)
+        if base.is_dir() and not listed:
+            p.append(f"data.paths: {base} holds no text files (.txt .md .rst .py .jsonl); give a directory of text")
+        if base.is_file() and base.stat().st_size == 0:
+            p.append(f"data.paths: {base} is empty (0 bytes); give a file with text")
+            continue
+        files += listed
+    for f in files:
+        try:
+            if _is_binary(f):
+                p.append(
+                    f"data.paths: {f} is binary, not text (NUL bytes in its first 64 KB); remove it from data.paths"
+                )
+        except OSError as e:
+            p.append(f"data.paths: {f} cannot be read ({e.strerror}); fix its permissions or remove it")
+    if p or not files or sum(f.stat().st_size for f in files) > FULL_CHECK_BYTES:
+        return p
+    try:
+        docs = load_documents(d)
+        train, held = split_documents(docs, float(d.get("holdout_fraction", 0.05)), list(d.get("heldout_files") or []))
+    except DataError as e:
+        return [f"data: {e}"]
+    bound = {  # tokens at most: one per byte, plus one end-of-document token per document
+        "train": sum(len(x.text.encode("utf-8")) for x in train) + len(train),
+        "heldout": sum(len(x.text.encode("utf-8")) for x in held) + len(held),
+    }
+    s, dist, ev = c.get("search") or {}, c.get("distill") or {}, c.get("evaluate") or {}
+    needs: list[tuple[str, str, int]] = []
+    if stages & {"rank", "search", "extract"}:
+        needs.append(("train", "search.batch_size x search.seq_len", _n(s, "batch_size") * _n(s, "seq_len") + 1))
+    if "distill" in stages:
+        needs.append(
+            ("train", "distill.batch_size x distill.seq_len", _n(dist, "batch_size") * _n(dist, "seq_len") + 1)
+        )
+    if "evaluate" in stages:
+        needs.append(("heldout", "2 x evaluate.seq_len", 2 * _n(ev, "seq_len") + 1))
+    for split, what, need in needs:
+        if bound[split] < need:
+            side = "training" if split == "train" else "held-out"
+            p.append(
+                f"data: the {side} text ({len(train if split == 'train' else held)} documents) holds at most "
+                f"{bound[split]:,} tokens, fewer than one batch ({what} = {need - 1:,} tokens); "
+                f"give more text in data.paths, or shorten the sequences"
+                + (" (or raise data.holdout_fraction)" if split == "heldout" else "")
+            )
+    return p
+
+
+def _n(section: dict[str, Any], key: str) -> int:
+    v = section.get(key)
+    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v == v and abs(v) < 2**62 else 0
