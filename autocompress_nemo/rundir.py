@@ -58,6 +58,19 @@ def describe_os_error(e: OSError) -> str:
     return f"{what}{f' ({name})' if name else ''}: {where}" + (f"; {fix}" if fix else "")
 
 
+def disk_error(e: BaseException) -> int:
+    """The errno of a full disk (or quota) reported by a library as text rather than ``OSError``
+    (torch's ``PytorchStreamWriter ... file write failed``, safetensors' ``code: 28``); 0 otherwise."""
+    if isinstance(e, OSError):
+        return e.errno if e.errno in (errno.ENOSPC, errno.EDQUOT) else 0
+    msg = str(e)
+    if "No space left" in msg or "code: 28" in msg or "StorageFull" in msg:
+        return errno.ENOSPC
+    if "file write failed" in msg or "Disk quota" in msg:
+        return errno.ENOSPC if "quota" not in msg.lower() else errno.EDQUOT
+    return 0
+
+
 def usable_problems(run_dir: str | os.PathLike[str]) -> list[str]:
     """Why ``run_dir`` cannot hold a run (empty when it can): it is a file, a component of its path
     is a file, or the directory (or its nearest existing ancestor) is not writable."""

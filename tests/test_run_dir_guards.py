@@ -196,22 +196,51 @@ def test_a_fail_verdict_sets_the_exit_status(tmp_path, monkeypatch, capsys, stud
     assert "parent" not in err.split("FAIL:")[1]  # the parent's own verdict is not the student's
 
 
-def test_a_full_disk_mid_stage_is_one_line_naming_the_path(tmp_path, monkeypatch, capsys) -> None:
+FULL_DISK = {
+    "OSError": (
+        lambda out: OSError(errno.ENOSPC, "No space left on device", str(out / "cost_table" / "cost_table.json")),
+        "cost_table.json; free space on that disk",
+    ),
+    "torch's RuntimeError": (
+        lambda out: RuntimeError(
+            "[enforce fail at inline_container.cc:603] . PytorchStreamWriter failed writing file data/0: file write failed"
+        ),
+        "(writing: [enforce fail at inline_container.cc:603] . PytorchStreamWriter failed writing file data/0",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FULL_DISK))
+def test_a_full_disk_mid_stage_is_one_line_naming_the_path(tmp_path, monkeypatch, capsys, kind) -> None:
     import autocompress_nemo.search.__main__ as pipeline
     from autocompress_nemo.stages import profile
 
+    error, expected = FULL_DISK[kind]
+
     def full(ctx, out):
         (out / "part.bin").write_bytes(b"x")
-        raise OSError(errno.ENOSPC, "No space left on device", str(out / "cost_table" / "cost_table.json"))
+        raise error(out)
 
     monkeypatch.setattr(profile, "run", full)
     with pytest.raises(SystemExit) as e:
         pipeline._task(compose([*PROFILE_ONLY, f"run_dir={tmp_path}/run"]))
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("autocompress: error: No space left on device (ENOSPC): ") and "\n" not in err
-    assert "cost_table.json; free space on that disk" in err
+    assert err.startswith("autocompress: error: No space left on device (ENOSPC): ") and "\n" not in err, err
+    assert expected in err, err
     assert [p.name for p in (tmp_path / "run").iterdir() if "tmp" in p.name] == []  # the partial artifact is gone
+
+
+def test_an_unrelated_runtime_error_keeps_its_traceback(tmp_path, monkeypatch) -> None:
+    import autocompress_nemo.search.__main__ as pipeline
+    from autocompress_nemo.stages import profile
+
+    def bug(ctx, out):
+        raise RuntimeError("shape mismatch in some kernel")
+
+    monkeypatch.setattr(profile, "run", bug)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        pipeline._task(compose([*PROFILE_ONLY, f"run_dir={tmp_path}/run"]))
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")

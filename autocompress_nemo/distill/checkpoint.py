@@ -69,11 +69,19 @@ def _megatron_tracker() -> Any:
 def save_atomic(obj: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)  # never a half checkpoint left behind
+        from autocompress_nemo.rundir import disk_error
+
+        if isinstance(e, RuntimeError) and disk_error(e):  # torch reports a full disk as RuntimeError
+            raise OSError(disk_error(e), os.strerror(disk_error(e)), str(path)) from None
+        raise
 
 
 class CheckpointStore:

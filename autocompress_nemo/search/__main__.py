@@ -135,7 +135,7 @@ def _task(cfg: DictConfig) -> dict[str, Any]:
     (not writable, disk full) is one line naming the path. A budget the parent already meets stops
     cleanly (exit status 0, nothing to compress). A student over a budget in the evaluation exits
     with ``fail_exit_code`` (default 3)."""
-    from autocompress_nemo.rundir import describe_os_error
+    from autocompress_nemo.rundir import describe_os_error, disk_error
     from autocompress_nemo.search.autocompress import ParentMeetsBudget
 
     try:
@@ -148,9 +148,12 @@ def _task(cfg: DictConfig) -> dict[str, Any]:
             raise
         print(f"autocompress: error: {e}\n(run with AUTOCOMPRESS_DEBUG=1 for the traceback)", file=sys.stderr)
         sys.exit(2)
-    except OSError as e:  # not writable, read-only, disk full: the path, not a traceback
-        if os.environ.get("AUTOCOMPRESS_DEBUG"):
+    except (OSError, RuntimeError) as e:  # not writable, read-only, disk full: the path, not a traceback
+        code = disk_error(e)
+        if os.environ.get("AUTOCOMPRESS_DEBUG") or not (isinstance(e, OSError) or code):
             raise
+        if not isinstance(e, OSError):  # a library's text: the path is the run directory's
+            e = OSError(code, os.strerror(code), f"{cfg.run_dir} (writing: {str(e).splitlines()[0][:120]})")
         print(f"autocompress: error: {describe_os_error(e)}", file=sys.stderr)
         sys.exit(2)
     failed = failing_students(out)
