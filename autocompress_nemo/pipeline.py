@@ -26,7 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from autocompress_nemo.rundir import clean_leftovers, locked, make_dir
+from autocompress_nemo.rundir import clean_leftovers, launch_rank, locked, make_dir
 from autocompress_nemo.utils.artifacts import (
     artifact,
     hash_obj,
@@ -87,7 +87,7 @@ class Run:
     def session(self) -> Iterator[Run]:
         """The run holds ``<run_dir>/.lock`` (a second run on the directory refuses, naming this
         one's pid); what killed stages left (``*.tmp-<pid>``) is removed first."""
-        if not is_rank0():  # rank 0 holds the lock for the whole torchrun job
+        if launch_rank() != 0:  # rank 0 holds the lock for the whole torchrun job
             yield self
             return
         with locked(self.dir, self.say):
@@ -158,7 +158,7 @@ class Run:
         read, input checksums, data content) in ``fingerprint.json``; a directory with another key
         (or none) is set aside as ``<stage>.ckpt.stale`` and reported in one line, never resumed."""
         d = self.dir / f"{stage.dir_name(method)}.ckpt"
-        if is_rank0():
+        if launch_rank() == 0:  # (before the process group is up, too: the other ranks wait in its init)
             fingerprinted(d, self.config_hash(stage.reads, inputs or [], stage.name), self.say)
         barrier()
         return d

@@ -105,6 +105,19 @@ def make_dir(run_dir: str | os.PathLike[str]) -> Path:
 
 
 # -- the lock ----------------------------------------------------------------------------------------
+def launch_rank() -> int:
+    """This process's rank in its job: torch.distributed's when it is up, else the launcher's
+    (``RANK``: torchrun, the spawn helper; 0 for a single process). Rank 0 alone locks and cleans."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:  # noqa: BLE001 - no torch.distributed: one process
+        pass
+    return int(os.environ.get("RANK", "0") or 0)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -216,12 +229,13 @@ def locked(run_dir: str | os.PathLike[str], say: Callable[[str], None] = print) 
 # -- leftovers ---------------------------------------------------------------------------------------
 def clean_leftovers(run_dir: str | os.PathLike[str], say: Callable[[str], None] = print) -> list[Path]:
     """Remove what killed stages left (``*.tmp-<pid>``, ``*.old-<pid>``) anywhere in the run
-    directory, except this process's own. Call with the lock held."""
+    directory: those of processes that are gone (a live one may be another rank of this job).
+    Call with the lock held."""
     d = Path(run_dir)
     gone: list[Path] = []
     for p in sorted(d.rglob("*"), key=lambda q: len(q.parts)):
         m = _LEFTOVER.search(p.name)
-        if not m or int(m.group(2)) == os.getpid() or any(g in p.parents for g in gone):
+        if not m or _alive(int(m.group(2))) or any(g in p.parents for g in gone):
             continue
         try:
             if p.is_dir() and not p.is_symlink():

@@ -106,12 +106,19 @@ def test_leftovers_of_killed_stages_are_removed_on_start_and_the_run_writes_only
     assert any((run_dir / ".cache" / "tokens").iterdir())  # the token cache lives in it
 
 
-def test_clean_leftovers_keeps_this_process_own(tmp_path) -> None:
-    mine = tmp_path / f"x.tmp-{os.getpid()}"
-    mine.mkdir()
-    (tmp_path / "y.old-123456789").mkdir()
-    gone = clean_leftovers(tmp_path, say=lambda s: None)
-    assert gone == [tmp_path / "y.old-123456789"] and mine.exists()
+def test_clean_leftovers_keeps_those_of_live_processes(tmp_path) -> None:
+    """A live process's temporary may be another rank of this job writing: only the dead's go."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        mine, theirs = tmp_path / f"x.tmp-{os.getpid()}", tmp_path / f"z.tmp-{other.pid}"
+        mine.mkdir()
+        theirs.write_text("being written")
+        (tmp_path / "y.old-123456789").mkdir()
+        gone = clean_leftovers(tmp_path, say=lambda s: None)
+        assert gone == [tmp_path / "y.old-123456789"] and mine.exists() and theirs.exists()
+    finally:
+        other.kill()
+        other.wait()
 
 
 @pytest.mark.slow

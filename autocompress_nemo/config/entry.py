@@ -209,9 +209,10 @@ def preflight(args: Sequence[str], lock: bool = False) -> str | None:
         validate(cfg)
     except ConfigError as e:
         _fail(e)
-    if cfg.dry_run:
+    from autocompress_nemo.rundir import RunDirError, acquire_lock, archive_config_record, launch_rank, make_dir
+
+    if cfg.dry_run or launch_rank() != 0:  # the other ranks of a torchrun job: rank 0 locks and records
         return None
-    from autocompress_nemo.rundir import RunDirError, acquire_lock, archive_config_record, make_dir
 
     try:
         run_dir = str(make_dir(str(cfg.run_dir)))
