@@ -157,7 +157,13 @@ def _load_weights(checkpoint: str, par: Parallel, st: dict[str, Any]) -> dict[st
             f"search checkpoint {checkpoint} (step {st['step']}) has no weight shard {path}; "
             f"delete {checkpoint} to start over"
         )
-    return torch.load(path, weights_only=False)
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - truncated / corrupted: name it and the fix, no traceback
+        raise ValueError(
+            f"search checkpoint shard {path} cannot be read ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}); "
+            f"delete {checkpoint} and its shards to start over"
+        ) from None
 
 
 class ParentMeetsBudget(ValueError):
