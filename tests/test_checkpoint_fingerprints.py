@@ -192,3 +192,37 @@ def test_rewritten_data_files_rerun_the_stages_that_read_them(tmp_path, capsys) 
         f.write_text(f.read_text().replace("def ", "def  "))
     out = _pipeline(tmp_path / "run", capsys, *data)
     assert "[profile] skipped" in out and "[rank] recomputing: config changed" in out, out
+
+
+# -- a corrupt shard under tensor parallelism: every rank starts over, none hangs ---------------------------
+def _tp2_distill(rank: int, world: int, out_dir: str) -> dict:
+    from conftest import tiny_hetero_spec, tiny_uniform_spec
+    from test_distill import _cfg, batch_fn
+
+    from autocompress_nemo.distill.recover import distill
+    from autocompress_nemo.distributed import init_distributed
+    from autocompress_nemo.models.builder import build_model, forward_logits
+
+    init_distributed(tp=2, seed=0)
+    teacher = build_model(tiny_uniform_spec(), init_seed=0, impl="local")
+    student = build_model(tiny_hetero_spec(), init_seed=1, impl="local")
+    said: list[str] = []
+    res = distill(student, teacher, forward_logits, batch_fn(128, 4, 16), _cfg(4), out_dir, 7, log=said.append)
+    return {"start": res["resumed_from_step"], "said": said}
+
+
+@pytest.mark.distributed
+def test_a_corrupt_shard_on_one_rank_restarts_every_rank(tmp_path) -> None:
+    from autocompress_nemo.distributed.spawn import spawn
+
+    out = tmp_path / "distill"
+    first = spawn(_tp2_distill, 2, str(out))
+    assert [o["start"] for o in first] == [0, 0]
+    shard = out / "checkpoints" / "step_000004" / "mp_tp01_pp000.pt"
+    shard.write_bytes(shard.read_bytes()[:100])  # rank 1's shard only
+    again = spawn(_tp2_distill, 2, str(out))
+    assert [o["start"] for o in again] == [0, 0]  # both start over (a resume on one rank would diverge)
+    said = "\n".join(again[1]["said"])
+    assert f"distill: checkpoint {shard} cannot be read" in said, said
+    assert f"set aside as {out / 'checkpoints'}.corrupt" in said
+    assert (out / "checkpoints.corrupt" / "step_000004" / "mp_tp01_pp000.pt").is_file()
