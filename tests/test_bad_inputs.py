@@ -39,8 +39,33 @@ def _corpus(tmp: Path, train: str, held: str) -> list[str]:
     return ["data.kind=files", f"data.paths=[{tmp / 'corpus'}]", "data.heldout_files=[b.txt]"]
 
 
+def _hf_dir(tmp: Path, hidden: int, cut: bool) -> list[str]:
+    """A Hugging Face directory for tiny_llama (hidden 64, 4 layers, vocab 512) with one tensor file."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    d = tmp / "hf"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"hidden_size": hidden, "num_hidden_layers": 4, "vocab_size": 512}))
+    save_file({"model.embed_tokens.weight": torch.zeros(512, hidden)}, str(d / "model.safetensors"))
+    if cut:
+        raw = (d / "model.safetensors").read_bytes()
+        (d / "model.safetensors").write_bytes(raw[: len(raw) // 2])
+    return ["model.source.kind=hf", f"model.source.path={d}"]
+
+
 # case -> (overrides given tmp, expected message parts)
 CASES = {
+    "truncated safetensors": (
+        lambda t, g: _hf_dir(t, 64, cut=True),
+        ["model.source.path: ", "model.safetensors is not a readable safetensors file (truncated: its tensors end"],
+    ),
+    "a Hugging Face directory of another model": (
+        lambda t, g: _hf_dir(t, 128, cut=False),
+        ["model.hidden=64 but", "config.json has hidden_size 128: the directory holds another model"],
+    ),
     "empty data file": (
         lambda t, g: ["data.kind=files", f"data.paths=[{_touch(t / 'empty.txt', b'')}]"],
         ["data.paths: ", "empty.txt is empty (0 bytes); give a file with text"],

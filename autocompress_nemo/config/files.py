@@ -151,6 +151,25 @@ def gguf_problems(path: Path, where: str, model: dict[str, Any]) -> list[str]:
     return p
 
 
+def hf_config_problems(directory: Path, where: str, model: dict[str, Any]) -> list[str]:
+    """The shape in a Hugging Face directory's ``config.json`` against the model config."""
+    try:
+        conf = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return [f"{where}: {directory / 'config.json'} is not readable JSON ({e}); download the model again"]
+    p = []
+    for key, hf_key in (("hidden", "hidden_size"), ("num_layers", "num_hidden_layers"), ("vocab", "vocab_size")):
+        want, have = model.get(key), conf.get(hf_key)
+        if key == "num_layers" and model.get("pattern"):
+            continue  # hybrids: one config.json layer per pattern character, not per (attention, mlp) pair
+        if isinstance(want, int) and want and isinstance(have, int) and have != want:
+            p.append(
+                f"model.{key}={want} but {directory / 'config.json'} has {hf_key} {have}: the directory holds another "
+                f"model than model={model.get('name')}; choose the model config of that directory, or its directory"
+            )
+    return p
+
+
 def safetensors_problems(directory: Path, where: str) -> list[str]:
     """Problems of the ``*.safetensors`` files of a Hugging Face directory."""
     files = sorted(directory.glob("*.safetensors"))

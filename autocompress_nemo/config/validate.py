@@ -166,7 +166,11 @@ def _check_weights(name: str, src: dict, m: dict | None = None) -> list[str]:
 
     where = "model.source.file" if kind == "package" else "model.source.path"
     if kind == "hf":
-        return files.safetensors_problems(path, where) if path.is_dir() else []
+        return (
+            (files.hf_config_problems(path, where, m or {}) + files.safetensors_problems(path, where))
+            if path.is_dir()
+            else []
+        )
     if path.is_dir():
         return [
             f"model {name}: {where}={path} is a directory; give the .gguf file itself, "
