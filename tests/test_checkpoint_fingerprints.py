@@ -10,6 +10,7 @@ The tiny pipeline runs once (a module fixture); each test works on a copy of tha
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sysconfig
@@ -226,3 +227,26 @@ def test_a_corrupt_shard_on_one_rank_restarts_every_rank(tmp_path) -> None:
     assert f"distill: checkpoint {shard} cannot be read" in said, said
     assert f"set aside as {out / 'checkpoints'}.corrupt" in said
     assert (out / "checkpoints.corrupt" / "step_000004" / "mp_tp01_pp000.pt").is_file()
+
+
+@pytest.mark.slow
+def test_minitron_candidates_resume_only_for_their_fingerprint(tmp_path, capsys) -> None:
+    """Minitron++ keeps the candidates it scored (``candidates.json`` in the fingerprinted checkpoint
+    directory): a killed search resumes after them; a damaged file is set aside; other settings start over."""
+    run_dir = tmp_path / "run"
+    mini = ["search.method=minitron_pp", "search.minitron_retrain_steps=0", "stages=[profile,rank,search]"]
+    first = _pipeline(run_dir, capsys, *mini)
+    assert "minitron++ candidate 2/2" in first and "resumed" not in first
+    ckpt = run_dir / "search_minitron_pp.ckpt" / "candidates.json"
+    arch = json.loads((run_dir / "search_minitron_pp" / "arch.json").read_text())
+    shutil.rmtree(run_dir / "search_minitron_pp")  # killed after scoring, before the artifact
+    out = _pipeline(run_dir, capsys, *mini)
+    assert f"minitron++: resumed with 2/2 candidates scored ({ckpt})" in out, out
+    assert "minitron++ candidate 1/2" not in out
+    assert json.loads((run_dir / "search_minitron_pp" / "arch.json").read_text())["child"] == arch["child"]
+    shutil.rmtree(run_dir / "search_minitron_pp")
+    ckpt.write_text(ckpt.read_text()[:40])
+    out = _pipeline(run_dir, capsys, *mini)
+    assert f"minitron++: checkpoint {ckpt} cannot be used (JSONDecodeError" in out and "candidate 1/2" in out, out
+    out = _pipeline(run_dir, capsys, *mini, "search.minitron_score_batches=1")
+    assert "[search_minitron_pp.ckpt] checkpoint made from other inputs" in out and "resumed" not in out, out

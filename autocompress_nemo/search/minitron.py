@@ -241,9 +241,13 @@ def run_minitron_pp(
     cfg: Any,
     log: Callable[[str], None] = print,
     fresh_model: Callable[[], torch.nn.Module] | None = None,
+    checkpoint: str | None = None,
 ) -> MinitronOutcome:
     """``fresh_model()`` builds another copy of the sorted parent (needed when candidates are
-    retrained: Megatron models hold process groups and cannot be deep-copied)."""
+    retrained: Megatron models hold process groups and cannot be deep-copied). ``checkpoint``: a
+    JSON file of the candidates scored so far (written after each one by rank 0); a rerun resumes
+    after the last one scored (the pipeline keeps it in the stage's fingerprinted checkpoint
+    directory, so it never holds the scores of other inputs)."""
     t0 = time.time()
     n_score = int(cfg.minitron_score_batches)
     temperature = float(cfg.kd_temperature)
@@ -297,9 +301,16 @@ def run_minitron_pp(
     retrain = int(getattr(cfg, "minitron_retrain_steps", 0))
     if retrain and fresh_model is None:
         raise ValueError("minitron_retrain_steps > 0 needs fresh_model() to copy the sorted parent")
-    trajectory = []
+    trajectory: list[dict[str, Any]] = _scored(checkpoint, top, log)
+    tokens += sum(int(r.get("tokens", 0)) for r in trajectory)
     best: tuple[float, list[int]] | None = None
+    for r in trajectory:
+        if best is None or r["kd"] < best[0]:
+            best = (float(r["kd"]), list(r["choices"]))
     for ci, cand in enumerate(top):
+        if ci < len(trajectory):
+            continue  # scored before the stage was interrupted
+        tokens_before = tokens
         cand_model = fresh_model() if retrain and fresh_model is not None else model
         sn = Supernet(cand_model, parent, decisions)
         sn.set_choices(cand.choices)
@@ -351,8 +362,11 @@ def run_minitron_pp(
                 "choices": cand.choices,
                 "removed_blocks": list(cand.removed),
                 **{f"predicted_{m}": v for m, v in cand.costs.items()},
+                "tokens": tokens - tokens_before,
             }
         )
+        if checkpoint:
+            _save_scored(checkpoint, trajectory)
         if best is None or score < best[0]:
             best = (score, cand.choices)
     assert best is not None
@@ -366,6 +380,42 @@ def run_minitron_pp(
         importance_tokens=imp_tokens,
         depth=depth,
     )
+
+
+def _scored(checkpoint: str | None, top: list[Candidate], log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The candidates scored by an earlier, interrupted run (a prefix of ``top``), from ``checkpoint``.
+    A file that cannot be read, or whose candidates are not this run's, is set aside and named.
+    Every rank reads it before any rank goes on (rank 0 writes the next candidate's score)."""
+    import json
+    from pathlib import Path
+
+    from autocompress_nemo.distill.optim import Parallel
+    from autocompress_nemo.utils.artifacts import set_aside
+
+    par = Parallel.detect()
+    rows: list[dict[str, Any]] = []
+    if checkpoint and Path(checkpoint).exists():
+        try:
+            rows = json.loads(Path(checkpoint).read_text())["scored"]
+            for ci, r in enumerate(rows):
+                if ci >= len(top) or list(r["choices"]) != list(top[ci].choices) or not isinstance(r["kd"], float):
+                    raise ValueError(f"candidate {ci + 1} is not this run's candidate {ci + 1}")
+        except Exception as e:  # noqa: BLE001 - a damaged file: score again, never crash on it
+            rows = []
+            where = set_aside(checkpoint, "corrupt") if par.is_rank0 and Path(checkpoint).exists() else checkpoint
+            log(f"minitron++: checkpoint {checkpoint} cannot be used ({type(e).__name__}: {e}); set aside as {where}")
+    par.barrier()
+    if rows:
+        log(f"minitron++: resumed with {len(rows)}/{len(top)} candidates scored ({checkpoint})")
+    return rows
+
+
+def _save_scored(checkpoint: str, trajectory: list[dict[str, Any]]) -> None:
+    from autocompress_nemo.distill.optim import Parallel
+    from autocompress_nemo.utils.artifacts import write_json_atomic
+
+    if Parallel.detect().is_rank0:
+        write_json_atomic(checkpoint, {"scored": trajectory})
 
 
 def uniform_shape(spec: ArchSpec) -> str:

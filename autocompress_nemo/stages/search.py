@@ -135,7 +135,12 @@ def search_core(
             init = str(s.router_init)
             outcome = run_router_search(*shared, seed=int(cfg.seed), checkpoint=ckpt, log=ctx.say, router_init=init)
         else:
-            outcome = run_minitron_pp(*shared, log=ctx.say, fresh_model=lambda: ctx.model(spec, sd))
+            outcome = run_minitron_pp(
+                *shared,
+                log=ctx.say,
+                fresh_model=lambda: ctx.model(spec, sd),
+                checkpoint=str(ckpt_dir / "candidates.json"),
+            )
     final, settler, verified = settle_choices(
         ctx,
         out,
