@@ -201,8 +201,11 @@ def preflight(args: Sequence[str], lock: bool = False) -> str | None:
     naming the holder's pid) and returns the run directory (the caller releases it). The previous
     config record is moved to ``.hydra/history/`` so every accepted invocation keeps its own.
     Skipped for flags that only print (``--cfg``, ``--help``) and for ``--multirun`` sweeps."""
-    if any(a in SHOW_ONLY or a in ("--multirun", "-m") for a in args):
-        return None
+    other_config = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd", "--experimental-rerun")
+    if any(a in SHOW_ONLY or a in ("--multirun", "-m") or a in other_config for a in args):
+        return None  # printing only, a sweep, or another primary config: Hydra's own handling
+    if any(a.lstrip("+").startswith("hydra.searchpath") for a in args):
+        return None  # configs from elsewhere: only Hydra can compose them
     overrides = [a for a in args if not a.startswith("-") and not a.lstrip("+~").startswith("hydra.")]
     try:
         cfg = compose(overrides)
