@@ -39,6 +39,16 @@ from autocompress_nemo.utils.artifacts import (
 
 log = logging.getLogger("autocompress")
 
+FINGERPRINT = "fingerprint.json"
+"""In a stage's checkpoint directory: the cache key of the inputs its checkpoints were made from."""
+
+
+def cache_dir(cfg: DictConfig) -> Path:
+    """Where a run keeps what it may recompute (token streams, data file hashes): ``cache_dir``
+    when set (several runs may share it), else ``<run_dir>/.cache``."""
+    given = OmegaConf.select(cfg, "cache_dir", default="") or ""
+    return Path(str(given)).expanduser() if given else Path(str(cfg.run_dir)) / ".cache"
+
 
 def is_rank0() -> bool:
     try:
@@ -62,15 +72,6 @@ def barrier() -> None:
 # artifact's content changes meaning. rank 2: hybrid scores / permutations gained attention
 # heads, dense-MLP neurons and hidden channels.
 ARTIFACT_VERSIONS: dict[str, int] = {"rank": 2}
-FINGERPRINT = "fingerprint.json"
-"""In a stage's checkpoint directory: the cache key of the inputs its checkpoints were made from."""
-
-
-def cache_dir(cfg: DictConfig) -> Path:
-    """Where a run keeps what it may recompute (token streams, data file hashes): ``cache_dir``
-    when set (several runs may share it), else ``<run_dir>/.cache``."""
-    given = OmegaConf.select(cfg, "cache_dir", default="") or ""
-    return Path(str(given)).expanduser() if given else Path(str(cfg.run_dir)) / ".cache"
 
 
 class Run:
