@@ -280,3 +280,21 @@ def test_a_budget_the_parent_already_meets_stops_cleanly(tmp_path, capsys) -> No
     assert "[search_autocompress] running" in out and "search step" not in out  # stopped before training
     assert not (run_dir / "search_autocompress").exists() and not (run_dir / "extract_autocompress").exists()
     assert time.time() - t0 < 120
+
+
+def test_an_unwritable_parent_is_named_up_front(tmp_path, monkeypatch, capsys) -> None:
+    """What a non-root user sees for a read-only parent (``os.access`` says so; root writes anyway)."""
+    import autocompress_nemo.rundir as rundir
+    from autocompress_nemo.search.__main__ import main
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = os.access
+    monkeypatch.setattr(rundir.os, "access", lambda p, mode: False if Path(p) == ro else real(p, mode))
+    monkeypatch.setattr(sys, "argv", ["autocompress_nemo.search", *PROFILE_ONLY, f"run_dir={ro}/run"])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"run_dir={ro}/run: {ro} (where {ro}/run would be created) is not writable" in err, err
+    assert "Traceback" not in err and not (ro / "run").exists()
