@@ -118,7 +118,8 @@ def test_default_run_validates_with_real_weights():
 def test_every_method_preset_composes_and_validates(search):
     for distill in resolve.available("distill"):
         for data in resolve.available("data"):
-            extra = ["data.paths=[" + str(resolve.CONF_DIR.parent) + "]"] if data == "files" else []  # text: the sources
+            # files: a directory of text (the package sources)
+            extra = ["data.paths=[" + str(resolve.CONF_DIR.parent) + "]"] if data == "files" else []
             cfg = compose([f"search={search}", f"distill={distill}", f"data={data}", "model=tiny_llama", *extra])
             assert collect_problems(cfg) == [], (search, distill, data)
 
