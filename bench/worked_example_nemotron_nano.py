@@ -16,7 +16,7 @@ in place of activation scores. Two proxies, both reported:
 - ``params``: a unit's importance is proportional to its parameters (every weight equal);
 - ``routing_mass``: parameters times the share of tokens the unit processes under uniform
   routing (``k/E`` for a routed expert's weights, 1 for the shared expert and other blocks) —
-  the scale the activation-based scores of ``rank/moe_mamba.py`` (routing mass x output) have.
+  the scale the activation-based scores of ``rank/importance.py`` (routing mass x output) have.
 
 Each proxy runs on the full space (attention / Mamba block removal included, as TensorRT-LLM can
 serve it) and on the MoE decisions alone (``moe_only``: attention and Mamba blocks kept), which

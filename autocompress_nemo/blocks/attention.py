@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock
-from autocompress_nemo.blocks.base import Decision, Grid, Kind, need
+from autocompress_nemo.blocks.base import Decision, Grid, Key, Kind, Role, Scores, need
+from autocompress_nemo.rank.permute import check_grouped, grouped_order, permute_heads
 
 
 def kept_heads(parent_hpg: int, groups: int, heads_per_group: int) -> torch.Tensor:
@@ -88,3 +89,32 @@ class Attention(Kind):
         if role == "o":
             return t[:, _rows(p, c)]
         return super().slice(p, c, role, t, shape)  # k, v (+ biases): the first G' groups; norms
+
+    def roles(self, spec: ArchSpec, b: AttentionBlock) -> list[Role]:
+        h, d = spec.hidden, b.head_dim
+        q, kv = b.num_heads * d, b.num_kv_groups * d
+        out: list[Role] = [("q", None, (q, h)), ("k", None, (kv, h)), ("v", None, (kv, h)), ("o", None, (h, q))]
+        if spec.qk_norm:
+            out += [("q_norm", None, (d,)), ("k_norm", None, (d,))]
+        if spec.extra.get("qkv_bias"):  # Qwen2
+            out += [("q_bias", None, (q,)), ("k_bias", None, (kv,)), ("v_bias", None, (kv,))]
+        return out
+
+    def score(self, acc: Any, layer: Any, i: int, b: AttentionBlock) -> None:
+        """Query head i: ``mean_t ||W_o[:, i] o_ti||`` (a KV group scores the sum of its heads)."""
+        acc.head_norms(layer.self_attention.linear_proj, (i, "heads"), b.head_dim)
+        acc.channels(layer.self_attention.linear_qkv)
+
+    def orders(self, b: AttentionBlock, scores: Scores) -> dict[str, torch.Tensor]:
+        """KV groups by the summed score of their query heads, query heads within a group by their own."""
+        if "heads" not in scores:
+            return {}
+        groups, heads = grouped_order(scores["heads"], b.num_kv_groups)
+        return {"groups": groups, "heads": heads}
+
+    def permute(
+        self, sd: dict[str, torch.Tensor], key: Key, b: AttentionBlock, orders: dict[str, torch.Tensor]
+    ) -> None:
+        if "heads" in orders:
+            check_grouped(key("o"), orders["heads"], orders["groups"], b.num_kv_groups)
+            permute_heads(sd, *(key(r) for r in "qkvo"), orders["heads"], orders["groups"], b.head_dim)

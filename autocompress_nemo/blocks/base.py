@@ -4,8 +4,10 @@ A kind (``attention``, ``mlp``, ``moe``, ``mamba``) owns, for its blocks: the se
 engine's capabilities allow (``decisions``), how a chosen option goes back into the block
 (``merge``), the supernet's keep-masks over the sorted parent (``masks``), the importance an option
 keeps (``kept_importance``), its widths for a uniform (Minitron++) shape (``widths``), a one-line
-description (``describe``), the prefix rule a child block must obey (``prefix_problem``) and how
-each of its Hugging Face tensors is sliced from the sorted parent (``slice``). The registry
+description (``describe``), the prefix rule a child block must obey (``prefix_problem``), its
+Hugging Face tensors (``roles``) and how each is sliced from the sorted parent (``slice``), its
+importance hooks on the Megatron layer (``score``), the orders that sort its scores (``orders``) and
+their application to its tensors (``permute``, ``sort_scores``). The registry
 (``blocks/__init__.py``) maps kind names and decision kinds to the kind objects; stages and the
 search loop over blocks and ask it, with no per-kind switch of their own.
 """
@@ -13,12 +15,23 @@ search loop over blocks and ask it, with no per-kind switch of their own.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, Block
+
+if TYPE_CHECKING:
+    from autocompress_nemo.rank.hooks import Accumulator
+
+Role = tuple[str, int | None, tuple[int, ...]]
+"""``(role, routed expert or None, shape)`` of one Hugging Face tensor of a block (``models/hybrid/names``)."""
+Scores = dict[str, torch.Tensor]
+"""One block's rank scores by name (``heads``, ``ffn``, ``experts``, ``expert_ffn``, ...)."""
+Key = Callable[..., str]
+"""``key(role, expert=None)``: the Hugging Face name of one of the block's tensors."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +107,27 @@ class Kind(ABC):
     def prefix_problem(self, parent_block: Any, child_block: Any) -> str | None:
         """Why ``child_block`` is not a prefix of ``parent_block`` (None: it is)."""
 
+    @abstractmethod
+    def roles(self, spec: ArchSpec, block: Any) -> list[Role]:
+        """The block's Hugging Face tensors after its ``norm`` (``role``, expert, shape)."""
+
+    @abstractmethod
+    def score(self, acc: Accumulator, layer: Any, i: int, block: Any) -> None:
+        """Register block ``i``'s importance hooks on its Megatron ``layer`` (sums keyed ``(i, name)``,
+        the hidden channels its normalized input reads under ``"hidden"``)."""
+
+    @abstractmethod
+    def orders(self, block: Any, scores: Scores) -> dict[str, torch.Tensor]:
+        """``{name: new -> old order}`` sorting every scored dimension, most important first."""
+
+    @abstractmethod
+    def permute(self, sd: dict[str, torch.Tensor], key: Key, block: Any, orders: dict[str, torch.Tensor]) -> None:
+        """Apply ``orders`` to the block's tensors in ``sd`` (in place; the function is unchanged)."""
+
+    def sort_scores(self, scores: Scores, orders: dict[str, torch.Tensor]) -> Scores:
+        """The scores in sorted order (a score and its order share a name)."""
+        return {n: v[orders[n]] if n in orders else v for n, v in scores.items()}
+
     def slice(
         self, parent_block: Any, child_block: Any, role: str, t: torch.Tensor, shape: tuple[int, ...]
     ) -> torch.Tensor:
@@ -108,9 +142,9 @@ def prefix_rows(n: int, keep: list[int]) -> torch.Tensor:
     return torch.stack([(j < k).float() for k in keep])
 
 
-def need(scores: Any, name: str, d: Decision) -> Any:
-    """``scores.<name>``, or a clear error when the rank artifact lacks it (an older build wrote it)."""
-    v = getattr(scores, name, None)
+def need(scores: Scores, name: str, d: Decision) -> torch.Tensor:
+    """``scores[name]``, or a clear error when the rank artifact lacks it (an older build wrote it)."""
+    v = scores.get(name)
     if v is None:
         raise ValueError(
             f"block {d.block_index} ({d.kind} decision): the rank artifact has no {name!r} "

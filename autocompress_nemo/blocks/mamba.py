@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, MambaBlock
-from autocompress_nemo.blocks.base import Decision, Grid, Kind, need, prefix_rows
+from autocompress_nemo.blocks.base import Decision, Grid, Key, Kind, Role, Scores, need, prefix_rows
+from autocompress_nemo.rank.permute import check_grouped, cols, grouped_order, rows
 
 
 def mamba_options(parent: MambaBlock, caps: Any) -> list[MambaBlock]:
@@ -70,3 +71,49 @@ class Mamba(Kind):
         if role in ("in_proj", "conv_w", "conv_b"):
             return t[_rows(p, c, conv=role != "in_proj")]
         return super().slice(p, c, role, t, shape)
+
+    def roles(self, spec: ArchSpec, b: MambaBlock) -> list[Role]:
+        h, gn, di, nh = spec.hidden, b.num_groups * b.state_size, b.d_inner, b.num_heads
+        return [
+            ("in_proj", None, (2 * di + 2 * gn + nh, h)),
+            ("conv_w", None, (di + 2 * gn, 1, b.conv_kernel)),
+            ("conv_b", None, (di + 2 * gn,)),
+            ("dt_bias", None, (nh,)),
+            ("A_log", None, (nh,)),
+            ("D", None, (nh,)),
+            ("mnorm", None, (di,)),
+            ("out_proj", None, (h, di)),
+        ]
+
+    def score(self, acc: Any, layer: Any, i: int, b: MambaBlock) -> None:
+        """Head i: ``mean_t ||W_out[:, i] y_ti||`` with ``y`` the gated-norm output (a group: its heads' sum)."""
+        acc.head_norms(layer.mixer.out_proj, (i, "mamba_heads"), b.head_dim)
+        acc.channels(layer.mixer.in_proj)
+
+    def orders(self, b: MambaBlock, scores: Scores) -> dict[str, torch.Tensor]:
+        """Groups by summed score, heads within a group by their own (the gated norm acts per group)."""
+        if "mamba_heads" not in scores:
+            return {}
+        groups, heads = grouped_order(scores["mamba_heads"], b.num_groups)
+        return {"mamba_groups": groups, "mamba_heads": heads}
+
+    def permute(self, sd: dict[str, torch.Tensor], key: Key, b: MambaBlock, orders: dict[str, torch.Tensor]) -> None:
+        """Rows of ``z``, ``x``, ``dt`` (``in_proj``), the conv's ``x`` channels, ``dt_bias``, ``A_log``,
+        ``D``, the gated-norm weight and the ``out_proj`` columns move with their head; ``B`` / ``C``
+        rows (``in_proj`` and conv) with their group."""
+        if "mamba_heads" not in orders:
+            return
+        heads, groups = orders["mamba_heads"], orders["mamba_groups"]
+        check_grouped(key("out_proj"), heads, groups, b.num_groups)
+        P, N, di, gn = b.head_dim, b.state_size, b.d_inner, b.num_groups * b.state_size
+        z, x, B, C, dt = sd[key("in_proj")].split([di, di, gn, gn, b.num_heads])
+        sd[key("in_proj")] = torch.cat(
+            [rows(z, heads, P), rows(x, heads, P), rows(B, groups, N), rows(C, groups, N), dt.index_select(0, heads)]
+        )
+        for role in ("conv_w", "conv_b"):
+            cx, cB, cC = sd[key(role)].split([di, gn, gn])
+            sd[key(role)] = torch.cat([rows(cx, heads, P), rows(cB, groups, N), rows(cC, groups, N)])
+        for role in ("dt_bias", "A_log", "D"):
+            sd[key(role)] = sd[key(role)].index_select(0, heads)
+        sd[key("mnorm")] = rows(sd[key("mnorm")], heads, P)
+        sd[key("out_proj")] = cols(sd[key("out_proj")], heads, P)

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, MlpBlock
-from autocompress_nemo.blocks.base import Decision, Grid, Kind, levels, need, prefix_rows
+from autocompress_nemo.blocks.base import Decision, Grid, Key, Kind, Role, Scores, levels, need, prefix_rows
+from autocompress_nemo.rank.permute import argsort_desc, permute_neurons
 
 
 def ffn_widths(parent_ffn: int, n_options: int, align: int, allow_zero: bool) -> list[int]:
@@ -51,3 +52,19 @@ class Mlp(Kind):
 
     def prefix_problem(self, p: MlpBlock, c: MlpBlock) -> str | None:
         return f"ffn {c.ffn} > parent's {p.ffn}" if c.ffn > p.ffn else None
+
+    def roles(self, spec: ArchSpec, b: MlpBlock) -> list[Role]:
+        h, f = spec.hidden, b.ffn
+        return [("up", None, (f, h)), ("down", None, (h, f))] + ([("gate", None, (f, h))] if b.gated else [])
+
+    def score(self, acc: Any, layer: Any, i: int, b: MlpBlock) -> None:
+        """Neuron n: ``mean_t |a_tn| * ||W_down[:, n]||`` (SwiGLU or relu² activation ``a``)."""
+        acc.neurons(layer.mlp.linear_fc2, (i, "ffn"))
+        acc.channels(layer.mlp.linear_fc1)
+
+    def orders(self, b: MlpBlock, scores: Scores) -> dict[str, torch.Tensor]:
+        return {"ffn": argsort_desc(scores["ffn"])} if "ffn" in scores else {}
+
+    def permute(self, sd: dict[str, torch.Tensor], key: Key, b: MlpBlock, orders: dict[str, torch.Tensor]) -> None:
+        if "ffn" in orders:
+            permute_neurons(sd, [key(r) for r in ("up", "gate") if key(r) in sd], key("down"), orders["ffn"])

@@ -31,8 +31,10 @@ import torch
 
 from autocompress_nemo.arch.counts import block_params
 from autocompress_nemo.arch.spec import ArchSpec, MoeBlock
-from autocompress_nemo.blocks.base import Decision, Grid, Kind, levels, need, prefix_rows
+from autocompress_nemo.blocks.base import Decision, Grid, Key, Kind, Role, Scores, levels, need, prefix_rows
 from autocompress_nemo.costs.table import moe_parts
+from autocompress_nemo.rank.hooks import Reduce, sum_over
+from autocompress_nemo.rank.permute import argsort_desc, cols, permute_neurons
 
 
 def topk_levels(k: int, min_k: int) -> list[int]:
@@ -146,3 +148,96 @@ class Moe(Kind):
         ):
             return f"MoE {c} is not a prefix of {p}"
         return None
+
+    def roles(self, spec: ArchSpec, b: MoeBlock) -> list[Role]:
+        h, out = spec.hidden, []
+        if b.shared_ffn:
+            fs = b.shared_ffn
+            out += [("shared_up", None, (fs, h)), ("shared_down", None, (h, fs))]
+            out += [("shared_gate", None, (fs, h))] if b.gated else []
+        if has_routed_experts(b):
+            inner, f = b.latent or h, b.expert_ffn
+            out.append(("router", None, (b.num_experts, h)))
+            if spec.family == "nemotron_h":
+                out.append(("router_bias", None, (b.num_experts,)))
+            if b.latent:
+                out += [("latent_down", None, (b.latent, h)), ("latent_up", None, (h, b.latent))]
+            for e in range(b.num_experts):
+                out += [("expert_up", e, (f, inner)), ("expert_down", e, (inner, f))]
+                out += [("expert_gate", e, (f, inner))] if b.gated else []
+        return out
+
+    def score(self, acc: Any, layer: Any, i: int, b: MoeBlock) -> None:
+        """Routed expert e: ``sum_t p_te * ||y_te|| / T`` (routing mass times output); its neuron n:
+        ``sum_t p_te * |a_ten| * ||W_down_e[:, n]|| / T``; shared-expert neuron n as a dense MLP's.
+        An MoE block left with only its shared expert is built as a dense MLP (``linear_fc2``)."""
+        mlp = layer.mlp
+        if not hasattr(mlp, "experts"):
+            acc.neurons(mlp.linear_fc2, (i, "shared_ffn"))
+            acc.channels(mlp.linear_fc1)
+            return
+        local = getattr(mlp.experts, "local_experts", None)
+        if local is None:
+            raise ValueError(
+                f"block {i}: routed experts of type {type(mlp.experts).__name__} (grouped GEMM) cannot be "
+                "scored one by one; build the calibration model with per-expert modules (impl='local')"
+            )
+        acc.zeros((i, "experts"), (len(local),), mlp, Reduce.EXPERTS)
+        etp = acc.groups["etp"]
+        for j, expert in enumerate(local):
+
+            def expert_hook(mod: Any, args: tuple, out: Any, j: int = j) -> None:
+                y = sum_over(out[0].double(), *etp)  # partial sums over ETP; already weighted by p_te
+                acc.add((i, "experts"), y.norm(dim=-1).sum(), j)
+
+            acc.post_hook(expert, expert_hook)
+            acc.neurons(expert.linear_fc2, (i, "expert_ffn"), row=j, rows=len(local))  # activation already x p_te
+        if getattr(mlp, "shared_experts", None) is not None:
+            acc.neurons(mlp.shared_experts.linear_fc2, (i, "shared_ffn"))
+        acc.channels(mlp.router)
+
+    def orders(self, b: MoeBlock, scores: Scores) -> dict[str, torch.Tensor]:
+        """Experts by score; each expert's neurons (row = the expert's NEW index); shared neurons."""
+        out = {}
+        if "experts" in scores:
+            out["experts"] = argsort_desc(scores["experts"])
+            if "expert_ffn" in scores:
+                out["expert_ffn"] = torch.stack(
+                    [argsort_desc(scores["expert_ffn"][e]) for e in out["experts"].tolist()]
+                )
+        if "shared_ffn" in scores:
+            out["shared_ffn"] = argsort_desc(scores["shared_ffn"])
+        return out
+
+    def permute(self, sd: dict[str, torch.Tensor], key: Key, b: MoeBlock, orders: dict[str, torch.Tensor]) -> None:
+        """Router rows (and the selection bias) move with their expert, so every token picks the same
+        experts with the same weights; each expert's up (gate) rows and down columns with its neurons."""
+        if "experts" in orders:
+            experts, ffn = orders["experts"], orders.get("expert_ffn")
+            for k in (key("router"), key("router_bias")):
+                if k in sd:
+                    sd[k] = sd[k].index_select(0, experts)
+            old = dict(sd)
+            for new, src in enumerate(experts.tolist()):
+                for role in ("expert_up", "expert_gate", "expert_down"):
+                    if key(role, src) not in old:
+                        continue
+                    t = old[key(role, src)]
+                    if ffn is not None:
+                        t = cols(t, ffn[new]) if role == "expert_down" else t.index_select(0, ffn[new])
+                    sd[key(role, new)] = t
+        if "shared_ffn" in orders:
+            ups = [key(r) for r in ("shared_up", "shared_gate") if key(r) in sd]
+            permute_neurons(sd, ups, key("shared_down"), orders["shared_ffn"])
+
+    def sort_scores(self, scores: Scores, orders: dict[str, torch.Tensor]) -> Scores:
+        out = super().sort_scores({n: v for n, v in scores.items() if n != "expert_ffn"}, orders)
+        if "expert_ffn" in scores and "experts" in orders:
+            ef, ffn = scores["expert_ffn"], orders["expert_ffn"]
+            out["expert_ffn"] = torch.stack([ef[src][ffn[new]] for new, src in enumerate(orders["experts"].tolist())])
+        return out
+
+
+def has_routed_experts(b: Any) -> bool:
+    """Whether ``b`` is an MoE block with routed experts."""
+    return isinstance(b, MoeBlock) and bool(b.num_experts and b.expert_ffn)

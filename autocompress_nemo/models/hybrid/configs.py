@@ -61,7 +61,7 @@ def family_options(spec: ArchSpec) -> FamilyOptions:
     if spec.family == "qwen3_moe":
         return FamilyOptions(
             position_embedding="rope",
-            qk_layernorm=bool(x.get("qk_layernorm", True)),
+            qk_layernorm=spec.qk_norm,
             router_score="softmax",
             expert_bias=False,
             pre_softmax=not bool(x.get("norm_topk_prob", True)),
@@ -259,3 +259,4 @@ def block_config(base: Any, block: Any) -> Any:
             mamba_num_groups=block.num_groups,
         )
     raise TypeError(f"unknown block {block!r}")
+

@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MoeBlock
+from autocompress_nemo.blocks import kind_of
+from autocompress_nemo.blocks.moe import has_routed_experts
 from autocompress_nemo.models.hybrid.names import HfNames, hf_names
 from autocompress_nemo.models.llama.state_dict_adapter import fuse_qkv, split_qkv
 
@@ -35,10 +37,6 @@ class Slot:
     expert: int | None
     layout: str
     expert_tp: bool = False
-
-
-def _routed(b: Any) -> bool:
-    return isinstance(b, MoeBlock) and bool(b.num_experts and b.expert_ffn)
 
 
 def _groups() -> dict[str, Any]:
@@ -123,15 +121,15 @@ def slot_of(spec: ArchSpec, model: Any, name: str, ep: tuple[int, int, Any]) -> 
         else _ATTN
         if isinstance(b, AttentionBlock)
         else _MOE
-        if _routed(b)
+        if has_routed_experts(b)
         else _DENSE
     )
     if rest in table:
         role, layout = table[rest]
-        if isinstance(b, MoeBlock) and not _routed(b) and role in ("fc1", "down"):
+        if isinstance(b, MoeBlock) and not has_routed_experts(b) and role in ("fc1", "down"):
             role = "shared_" + role  # routed experts removed: the shared expert runs as a dense MLP
         return Slot(g, role, None, layout)
-    e = _EXPERT.match(rest) if _routed(b) else None
+    e = _EXPERT.match(rest) if has_routed_experts(b) else None
     if e:
         local = int(e.group(1) if e.group(1) is not None else e.group(4))
         fc = e.group(2) or e.group(3)
@@ -291,50 +289,9 @@ def megatron_to_hf(spec: ArchSpec, model: Any, grads: bool = False) -> dict[str,
 
 
 def block_roles(spec: ArchSpec, b: Any) -> list[tuple[str, int | None, tuple[int, ...]]]:
-    """``(role, expert, shape)`` of every Hugging Face tensor of one block (none if removed)."""
-    h = spec.hidden
-    out: list[tuple[str, int | None, tuple[int, ...]]] = []
-    if b.removed:
-        return out
-
-    def put(role: str, *shape: int, e: int | None = None) -> None:
-        out.append((role, e, tuple(shape)))
-
-    put("norm", h)
-    if isinstance(b, AttentionBlock):
-        d = b.head_dim
-        put("q", b.num_heads * d, h), put("k", b.num_kv_groups * d, h), put("v", b.num_kv_groups * d, h)
-        put("o", h, b.num_heads * d)
-        if family_qk_norm(spec):
-            put("q_norm", d), put("k_norm", d)
-        if spec.extra.get("qkv_bias"):  # Qwen2
-            put("q_bias", b.num_heads * d), put("k_bias", b.num_kv_groups * d), put("v_bias", b.num_kv_groups * d)
-    elif isinstance(b, MlpBlock):
-        put("up", b.ffn, h), put("down", h, b.ffn)
-        if b.gated:
-            put("gate", b.ffn, h)
-    elif isinstance(b, MambaBlock):
-        gn, di = b.num_groups * b.state_size, b.d_inner
-        put("in_proj", 2 * di + 2 * gn + b.num_heads, h), put("conv_w", di + 2 * gn, 1, b.conv_kernel)
-        put("conv_b", di + 2 * gn), put("dt_bias", b.num_heads), put("A_log", b.num_heads), put("D", b.num_heads)
-        put("mnorm", di), put("out_proj", h, di)
-    elif isinstance(b, MoeBlock):
-        if b.shared_ffn:
-            put("shared_up", b.shared_ffn, h), put("shared_down", h, b.shared_ffn)
-            if b.gated:
-                put("shared_gate", b.shared_ffn, h)
-        if _routed(b):
-            inner = b.latent or h
-            put("router", b.num_experts, h)
-            if spec.family == "nemotron_h":
-                put("router_bias", b.num_experts)
-            if b.latent:
-                put("latent_down", b.latent, h), put("latent_up", h, b.latent)
-            for e in range(b.num_experts):
-                put("expert_up", b.expert_ffn, inner, e=e), put("expert_down", inner, b.expert_ffn, e=e)
-                if b.gated:
-                    put("expert_gate", b.expert_ffn, inner, e=e)
-    return out
+    """``(role, expert, shape)`` of every Hugging Face tensor of one block (none if removed): its
+    ``norm``, then its kind's (``blocks/<kind>.roles``)."""
+    return [] if b.removed else [("norm", None, (spec.hidden,)), *kind_of(b).roles(spec, b)]
 
 
 def hf_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
@@ -347,14 +304,6 @@ def hf_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
         for role, e, shape in block_roles(spec, b):
             out[names.key(i, role, e)] = shape
     return out
-
-
-def family_qk_norm(spec: ArchSpec) -> bool:
-    if spec.family == "llama":  # Qwen3 dense: per-head q/k RMSNorm
-        return bool(spec.extra.get("qk_layernorm"))
-    from autocompress_nemo.models.hybrid.configs import family_options
-
-    return family_options(spec).qk_layernorm
 
 
 def random_hf_state_dict(spec: ArchSpec, seed: int = 0, std: float = 0.05) -> dict[str, torch.Tensor]:
