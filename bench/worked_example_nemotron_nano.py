@@ -78,7 +78,7 @@ def importance_rows(parent: ArchSpec, decisions: list, proxy: str) -> list[list[
 
 def unit_blocks(moe: MoeBlock) -> dict[str, MoeBlock]:
     """The parent MoE block's parts with one unit less of each dimension (priced by the same table)."""
-    from autocompress_nemo.costs.table import moe_parts
+    from autocompress_nemo.blocks.moe import moe_parts
 
     routed, shared = moe_parts(moe)
     return {
@@ -92,7 +92,7 @@ def unit_blocks(moe: MoeBlock) -> dict[str, MoeBlock]:
 
 def unit_costs(bc: Any, parent_moe: MoeBlock, h: int) -> dict[str, Any]:
     """Cost saved by removing one unit of each MoE dimension from the parent block (finite differences)."""
-    from autocompress_nemo.costs.table import moe_parts
+    from autocompress_nemo.blocks.moe import moe_parts
 
     routed, shared = moe_parts(parent_moe)
 

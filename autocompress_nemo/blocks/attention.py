@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import numpy as np
 import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock
@@ -118,3 +119,26 @@ class Attention(Kind):
         if "heads" in orders:
             check_grouped(key("o"), orders["heads"], orders["groups"], b.num_kv_groups)
             permute_heads(sd, *(key(r) for r in "qkvo"), orders["heads"], orders["groups"], b.head_dim)
+
+    def params(self, b: AttentionBlock, hidden: int, active: bool = False) -> int:
+        """Q, K, V, O projections and the input norm, no biases: ``2*h*H*d + 2*h*G*d + h``."""
+        return hidden * b.num_heads * b.head_dim * 2 + 2 * hidden * b.num_kv_groups * b.head_dim + hidden
+
+    def kv_bytes_per_token(self, b: AttentionBlock, dtype_bytes: float) -> float:
+        """K and V: ``2*G*d*bytes``."""
+        return 2 * b.num_kv_groups * b.head_dim * dtype_bytes
+
+    def activation_width(self, b: AttentionBlock, hidden: int) -> int:
+        return (b.num_heads + 2 * b.num_kv_groups) * b.head_dim
+
+    def size(self, b: AttentionBlock) -> int:
+        return b.num_heads * 1000 + b.num_kv_groups
+
+    def interpolate(self, b: AttentionBlock, entries: list[tuple[Any, float]]) -> float | None:
+        """``a + c*H + e*G`` by least squares over the profiled options of the same head size (>= 3)."""
+        rows = [(1.0, eb.num_heads, eb.num_kv_groups, v) for eb, v in entries if eb.head_dim == b.head_dim]
+        if len(rows) < 3:
+            return None
+        a = np.array([r[:3] for r in rows])
+        coef, *_ = np.linalg.lstsq(a, np.array([r[3] for r in rows]), rcond=None)
+        return float(coef @ np.array([1.0, b.num_heads, b.num_kv_groups]))

@@ -124,6 +124,40 @@ class Kind(ABC):
     def permute(self, sd: dict[str, torch.Tensor], key: Key, block: Any, orders: dict[str, torch.Tensor]) -> None:
         """Apply ``orders`` to the block's tensors in ``sd`` (in place; the function is unchanged)."""
 
+    # -- counts (formulas in each kind's docstrings; a removed block is never asked) --------------
+    @abstractmethod
+    def params(self, block: Any, hidden: int, active: bool = False) -> int:
+        """Parameters of the block, its input norm included (``active``: those one token touches)."""
+
+    def small_params(self, block: Any, hidden: int) -> int:
+        """Parameters GGUF writers keep in F32 (norms, per-head scalars): the input norm ``h``."""
+        return hidden
+
+    def kv_bytes_per_token(self, block: Any, dtype_bytes: float) -> float:
+        """KV cache per token of context (attention only)."""
+        return 0.0
+
+    def state_elements(self, block: Any, conv_extra: int = 0) -> int:
+        """Recurrent state per sequence, constant in context (Mamba only); ``conv_extra`` conv-state
+        columns an engine keeps beyond the ``K-1`` past inputs."""
+        return 0
+
+    @abstractmethod
+    def activation_width(self, block: Any, hidden: int) -> int:
+        """The widest activation of one token through the block (an uncalibrated workspace estimate)."""
+
+    def size(self, block: Any) -> int:
+        """Orders a kind's options by size (the nearest wider profiled option stands in for an unprofiled one)."""
+        return 0
+
+    def parts(self, block: Any) -> tuple[Any, ...]:
+        """The additively costed parts the cost table profiles separately (default: the block itself)."""
+        return (block,)
+
+    def interpolate(self, block: Any, entries: list[tuple[Any, float]]) -> float | None:
+        """A cost of an unprofiled ``block`` from its kind's profiled ``(block, cost)`` entries, or None."""
+        return None
+
     def sort_scores(self, scores: Scores, orders: dict[str, torch.Tensor]) -> Scores:
         """The scores in sorted order (a score and its order share a name)."""
         return {n: v[orders[n]] if n in orders else v for n, v in scores.items()}
@@ -134,6 +168,11 @@ class Kind(ABC):
         """The child's tensor of ``role`` from the sorted parent's ``t``: a prefix along every dimension
         unless the kind keeps rows in another order."""
         return t[tuple(slice(0, n) for n in shape)]
+
+
+def ffn_params(hidden: int, ffn: int, gated: bool) -> int:
+    """One feed-forward network without norm: ``(3 if gated else 2) * h * F``."""
+    return (3 if gated else 2) * hidden * ffn
 
 
 def prefix_rows(n: int, keep: list[int]) -> torch.Tensor:

@@ -117,3 +117,27 @@ class Mamba(Kind):
             sd[key(role)] = sd[key(role)].index_select(0, heads)
         sd[key("mnorm")] = rows(sd[key("mnorm")], heads, P)
         sd[key("out_proj")] = cols(sd[key("out_proj")], heads, P)
+
+    def params(self, b: MambaBlock, hidden: int, active: bool = False) -> int:
+        """in_proj ``h*(2*Hm*Pm + 2*Gm*N + Hm)`` (z, x, B, C, dt) + conv ``conv_dim*(K+1)`` (weights +
+        bias) + ``3*Hm`` (dt_bias, A_log, D) + ``Hm*Pm`` (gated norm) + out_proj ``Hm*Pm*h`` + ``h``."""
+        d_in_proj = 2 * b.d_inner + 2 * b.num_groups * b.state_size + b.num_heads
+        return (
+            hidden * d_in_proj + conv_dim(b) * (b.conv_kernel + 1) + 3 * b.num_heads + b.d_inner * (1 + hidden) + hidden
+        )
+
+    def small_params(self, b: MambaBlock, hidden: int) -> int:
+        """``h + Hm*Pm (gated norm) + 3*Hm (dt_bias, A_log, D) + conv_dim (conv bias)``."""
+        return hidden + b.d_inner + 3 * b.num_heads + conv_dim(b)
+
+    def state_elements(self, b: MambaBlock, conv_extra: int = 0) -> int:
+        """``Hm*Pm*N`` (SSM state) + ``conv_dim*(K-1+e)`` (conv state)."""
+        return b.num_heads * b.head_dim * b.state_size + conv_dim(b) * (b.conv_kernel - 1 + conv_extra)
+
+    def activation_width(self, b: MambaBlock, hidden: int) -> int:
+        return 2 * b.d_inner + 2 * b.num_groups * b.state_size
+
+
+def conv_dim(b: MambaBlock) -> int:
+    """Channels through the causal conv: ``Hm*Pm + 2*Gm*N`` (x, B, C)."""
+    return b.d_inner + 2 * b.num_groups * b.state_size

@@ -5,10 +5,22 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, MlpBlock
-from autocompress_nemo.blocks.base import Decision, Grid, Key, Kind, Role, Scores, levels, need, prefix_rows
+from autocompress_nemo.blocks.base import (
+    Decision,
+    Grid,
+    Key,
+    Kind,
+    Role,
+    Scores,
+    ffn_params,
+    levels,
+    need,
+    prefix_rows,
+)
 from autocompress_nemo.rank.permute import argsort_desc, permute_neurons
 
 
@@ -68,3 +80,25 @@ class Mlp(Kind):
     def permute(self, sd: dict[str, torch.Tensor], key: Key, b: MlpBlock, orders: dict[str, torch.Tensor]) -> None:
         if "ffn" in orders:
             permute_neurons(sd, [key(r) for r in ("up", "gate") if key(r) in sd], key("down"), orders["ffn"])
+
+    def params(self, b: MlpBlock, hidden: int, active: bool = False) -> int:
+        """``ffn_params(h, F) + h`` (input norm)."""
+        return ffn_params(hidden, b.ffn, b.gated) + hidden
+
+    def activation_width(self, b: MlpBlock, hidden: int) -> int:
+        return 2 * b.ffn + hidden
+
+    def size(self, b: MlpBlock) -> int:
+        return b.ffn
+
+    def interpolate(self, b: MlpBlock, entries: list[tuple[Any, float]]) -> float | None:
+        """Piecewise-linear in ``F`` between profiled widths of the same activation (matmul time is
+        linear in F); linear extrapolation from the nearest two outside them."""
+        pts = sorted((eb.ffn, v) for eb, v in entries if eb.activation == b.activation)
+        if len(pts) < 2:
+            return None
+        xs, ys = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts])
+        if b.ffn < xs[0] or b.ffn > xs[-1]:
+            i = 0 if b.ffn < xs[0] else len(xs) - 2
+            return float(ys[i] + (ys[i + 1] - ys[i]) * (b.ffn - xs[i]) / (xs[i + 1] - xs[i]))
+        return float(np.interp(b.ffn, xs, ys))

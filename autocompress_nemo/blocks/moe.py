@@ -29,10 +29,19 @@ from typing import Any
 
 import torch
 
-from autocompress_nemo.arch.counts import block_params
 from autocompress_nemo.arch.spec import ArchSpec, MoeBlock
-from autocompress_nemo.blocks.base import Decision, Grid, Key, Kind, Role, Scores, levels, need, prefix_rows
-from autocompress_nemo.costs.table import moe_parts
+from autocompress_nemo.blocks.base import (
+    Decision,
+    Grid,
+    Key,
+    Kind,
+    Role,
+    Scores,
+    ffn_params,
+    levels,
+    need,
+    prefix_rows,
+)
 from autocompress_nemo.rank.hooks import Reduce, sum_over
 from autocompress_nemo.rank.permute import argsort_desc, cols, permute_neurons
 
@@ -65,8 +74,8 @@ def moe_routed_options(parent: MoeBlock, spec: ArchSpec, caps: Any, n_levels: in
     ordered = sorted(
         opts,
         key=lambda b: (
-            block_params(b, spec.hidden),
-            block_params(b, spec.hidden, active=True),
+            MOE.params(b, spec.hidden),
+            MOE.params(b, spec.hidden, active=True),
             b.num_experts,
             b.expert_ffn,
             b.top_k,
@@ -237,7 +246,41 @@ class Moe(Kind):
             out["expert_ffn"] = torch.stack([ef[src][ffn[new]] for new, src in enumerate(orders["experts"].tolist())])
         return out
 
+    def params(self, b: MoeBlock, hidden: int, active: bool = False) -> int:
+        """``h*E (router) + E' * ffn_params(L or h, F_e) + [2*h*L (latent down/up)] + ffn_params(h, S)
+        + h (norm)``, with ``E' = k`` for active parameters and ``E`` for total."""
+        inner = b.latent or hidden
+        experts = b.top_k if active else b.num_experts
+        n = hidden * b.num_experts  # router
+        n += experts * ffn_params(inner, b.expert_ffn, b.gated) if b.num_experts else 0
+        n += 2 * hidden * b.latent if b.latent else 0
+        n += ffn_params(hidden, b.shared_ffn, b.gated) if b.shared_ffn else 0
+        return n + hidden
+
+    def activation_width(self, b: MoeBlock, hidden: int) -> int:
+        return 2 * max(b.expert_ffn, b.shared_ffn) + hidden
+
+    def parts(self, b: MoeBlock) -> tuple[MoeBlock, ...]:
+        """Routed and shared parts (``moe_parts``): separate kernels, profiled and costed separately."""
+        return moe_parts(b)
+
 
 def has_routed_experts(b: Any) -> bool:
     """Whether ``b`` is an MoE block with routed experts."""
     return isinstance(b, MoeBlock) and bool(b.num_experts and b.expert_ffn)
+
+
+def moe_parts(b: MoeBlock) -> tuple[MoeBlock, MoeBlock]:
+    """The two additive parts of an MoE block, each an ``MoeBlock`` in canonical form:
+    routed (router, routed experts, latent projections; ``shared_ffn = 0``) and shared
+    (``num_experts = expert_ffn = top_k = latent = 0``). Latency of the block = the sum of the
+    parts' latencies (they run as separate kernels); a removed part is removed (costs 0)."""
+    routed = (
+        MoeBlock(b.num_experts, b.expert_ffn, b.top_k, 0, b.latent, b.activation)
+        if b.num_experts and b.expert_ffn
+        else MoeBlock(0, 0, 0, 0, 0, b.activation)
+    )
+    return routed, MoeBlock(0, 0, 0, b.shared_ffn, 0, b.activation)
+
+
+MOE = Moe()

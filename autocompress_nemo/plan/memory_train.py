@@ -20,8 +20,9 @@ optimizer: ``6 + 12 / dp`` (the same accounting as Megatron-LM's theoretical mem
 
 from __future__ import annotations
 
-from autocompress_nemo.arch.counts import block_params, ffn_params
+from autocompress_nemo.arch.counts import block_params
 from autocompress_nemo.arch.spec import AttentionBlock, Block, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.blocks.base import ffn_params
 
 BF16 = 2
 FP32 = 4

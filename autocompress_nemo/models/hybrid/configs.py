@@ -259,4 +259,3 @@ def block_config(base: Any, block: Any) -> Any:
             mamba_num_groups=block.num_groups,
         )
     raise TypeError(f"unknown block {block!r}")
-
