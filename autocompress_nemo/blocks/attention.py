@@ -66,6 +66,9 @@ class Attention(Kind):
             rows.append(row)
         return {"out": torch.stack(rows)}
 
+    def mask_sites(self, d: Decision, layer: Any, pb: AttentionBlock) -> list:
+        return [(layer.self_attention.linear_proj, "out", pb.head_dim, pb.num_heads, True)]
+
     def kept_importance(self, d: Decision, option: AttentionBlock, scores: Any) -> float:
         heads = need(scores, "heads", d)
         parent_hpg = len(heads) // d.options[-1].num_kv_groups  # type: ignore[attr-defined]  (last = the parent's)

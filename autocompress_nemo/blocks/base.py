@@ -30,6 +30,9 @@ Role = tuple[str, int | None, tuple[int, ...]]
 """``(role, routed expert or None, shape)`` of one Hugging Face tensor of a block (``models/hybrid/names``)."""
 Scores = dict[str, torch.Tensor]
 """One block's rank scores by name (``heads``, ``ffn``, ``experts``, ``expert_ffn``, ...)."""
+MaskSite = tuple[Any, str, int, int, bool]
+"""``(module, mask name, unit, size, tp_sharded)``: the supernet multiplies ``module``'s input by the
+mask ``name`` (one entry per ``unit`` channels, ``size`` units; split over TP ranks when sharded)."""
 Key = Callable[..., str]
 """``key(role, expert=None)``: the Hugging Face name of one of the block's tensors."""
 
@@ -90,6 +93,10 @@ class Kind(ABC):
     @abstractmethod
     def masks(self, d: Decision, parent_block: Any) -> dict[str, torch.Tensor]:
         """``{mask name: [K, D]}`` keep-indicators of every option over the sorted parent dimension."""
+
+    @abstractmethod
+    def mask_sites(self, d: Decision, layer: Any, parent_block: Any) -> list[MaskSite]:
+        """Where the supernet applies ``d``'s masks on the block's Megatron ``layer``."""
 
     @abstractmethod
     def kept_importance(self, d: Decision, option: Any, scores: Any) -> float:

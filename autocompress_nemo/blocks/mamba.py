@@ -48,6 +48,9 @@ class Mamba(Kind):
     def masks(self, d: Decision, parent_block: MambaBlock) -> dict[str, torch.Tensor]:
         return {"out": prefix_rows(parent_block.num_heads, [o.num_heads for o in d.options])}  # type: ignore[attr-defined]
 
+    def mask_sites(self, d: Decision, layer: Any, pb: MambaBlock) -> list:
+        return [(layer.mixer.out_proj, "out", pb.head_dim, pb.num_heads, True)]
+
     def kept_importance(self, d: Decision, option: MambaBlock, scores: Any) -> float:
         return float(need(scores, "mamba_heads", d)[: option.num_heads].sum())
 

@@ -53,6 +53,9 @@ class Mlp(Kind):
         """Per neuron, on the ``linear_fc2`` input."""
         return {"out": prefix_rows(parent_block.ffn, [o.ffn for o in d.options])}  # type: ignore[attr-defined]
 
+    def mask_sites(self, d: Decision, layer: Any, pb: MlpBlock) -> list:
+        return [(layer.mlp.linear_fc2, "out", 1, pb.ffn, True)]
+
     def kept_importance(self, d: Decision, option: MlpBlock, scores: Any) -> float:
         return float(need(scores, "ffn", d)[: option.ffn].sum())
 

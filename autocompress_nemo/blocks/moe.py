@@ -136,6 +136,14 @@ class Moe(Kind):
             "topk_values": torch.tensor(ks, dtype=torch.float32).unsqueeze(0),
         }
 
+    def mask_sites(self, d: Decision, layer: Any, pb: MoeBlock) -> list:
+        """The shared expert's ``linear_fc2`` input; every local routed expert's (not TP-split: expert
+        tensor parallelism is refused). The router's expert / top-k masks are the supernet's own
+        routing (``search/supernet.py``), installed when the masks hold ``topk_values``."""
+        if d.kind == "moe_shared":
+            return [(layer.mlp.shared_experts.linear_fc2, "shared", 1, pb.shared_ffn, True)]
+        return [(e.linear_fc2, "expert_ffn", 1, pb.expert_ffn, False) for e in layer.mlp.experts.local_experts]
+
     def kept_importance(self, d: Decision, option: MoeBlock, scores: Any) -> float:
         if d.kind == "moe_routed":
             return float(need(scores, "expert_ffn", d)[: option.num_experts, : option.expert_ffn].sum())
