@@ -151,7 +151,6 @@ def _scores_on_rank(rank: int, world: int, hybrid_json: str, hybrid_sd: dict, x_
 
     warnings.filterwarnings("ignore")
     from autocompress_nemo.distributed import init_distributed
-    from autocompress_nemo.models.llama.state_dict_adapter import hf_to_megatron as llama_hf_to_megatron
     from tests.method_utils import tiny_parent
 
     spec = ArchSpec.from_json(hybrid_json)
@@ -159,7 +158,7 @@ def _scores_on_rank(rank: int, world: int, hybrid_json: str, hybrid_sd: dict, x_
     out = {"tp": collect_importance(_model(spec, hybrid_sd), spec, [x_BT], forward_logits).to_dict()}
     dspec, dsd = tiny_parent()
     dmodel = build_model(dspec, sequence_parallel=world > 1)
-    llama_hf_to_megatron(dspec, dsd, dmodel)
+    hf_to_megatron(dspec, dsd, dmodel)
     out["dense_sp"] = collect_importance(dmodel, dspec, [x_BT % dspec.vocab], forward_logits).to_dict()
     init_distributed(tp=1, ep=world)
     share = x_BT.shape[0] // world

@@ -237,7 +237,12 @@ class ArchSpec:
         """Per-head q / k RMSNorms (Qwen3 dense and MoE; never Nemotron-H)."""
         if self.family == "nemotron_h":
             return False
-        return bool(self.extra.get("qk_layernorm", self.family == "qwen3_moe"))
+        return bool(self.extra.get("qk_layernorm", self.family in ("qwen3", "qwen3_moe")))
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Biases on q / k / v (Qwen2)."""
+        return bool(self.extra.get("qkv_bias", self.family == "qwen2"))
 
     @property
     def num_layers(self) -> int:

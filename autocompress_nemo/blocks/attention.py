@@ -100,7 +100,7 @@ class Attention(Kind):
         out: list[Role] = [("q", None, (q, h)), ("k", None, (kv, h)), ("v", None, (kv, h)), ("o", None, (h, q))]
         if spec.qk_norm:
             out += [("q_norm", None, (d,)), ("k_norm", None, (d,))]
-        if spec.extra.get("qkv_bias"):  # Qwen2
+        if spec.qkv_bias:  # Qwen2
             out += [("q_bias", None, (q,)), ("k_bias", None, (kv,)), ("v_bias", None, (kv,))]
         return out
 

@@ -1,4 +1,5 @@
-"""Hugging Face-named state dicts (``names.py``) <-> Megatron hybrid / MoE models, with TP and EP.
+"""Hugging Face-named state dicts (``names.py``) <-> Megatron models of every family (``GPTModel``:
+a layer holds an attention and an mlp block; ``HybridModel``: one block per layer), with TP and EP.
 
 Every Megatron tensor is described by ``(block, role, expert, layout)``; ``layout`` says how the
 full Hugging Face tensor(s) become this rank's shard:
@@ -27,7 +28,24 @@ from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, Mo
 from autocompress_nemo.blocks import kind_of
 from autocompress_nemo.blocks.moe import has_routed_experts
 from autocompress_nemo.models.hybrid.names import HfNames, hf_names
-from autocompress_nemo.models.llama.state_dict_adapter import fuse_qkv, split_qkv
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """Megatron's grouped QKV from HF q/k/v (weights ``[out, H]`` or biases ``[out]``)."""
+    tail = q.shape[1:]
+    qg = q.reshape(groups, -1, *tail)
+    kg = k.reshape(groups, -1, *tail)
+    vg = v.reshape(groups, -1, *tail)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *tail)
+
+
+def split_qkv(qkv: torch.Tensor, groups: int, heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """Inverse of ``fuse_qkv`` on the full (gathered) fused tensor."""
+    tail = qkv.shape[1:]
+    per = heads // groups
+    g = qkv.reshape(groups, (per + 2) * head_dim, *tail)
+    q, k, v = torch.split(g, [per * head_dim, head_dim, head_dim], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
 @dataclass(frozen=True)
@@ -79,6 +97,7 @@ _ATTN = {
     "input_layernorm.weight": ("norm", "rep"),
     "self_attention.linear_qkv.layer_norm_weight": ("norm", "rep"),
     "self_attention.linear_qkv.weight": ("qkv", "qkv"),
+    "self_attention.linear_qkv.bias": ("qkv_bias", "qkv"),
     "self_attention.linear_proj.weight": ("o", "col"),
     "self_attention.q_layernorm.weight": ("q_norm", "rep"),
     "self_attention.k_layernorm.weight": ("k_norm", "rep"),
@@ -114,6 +133,8 @@ def slot_of(spec: ArchSpec, model: Any, name: str, ep: tuple[int, int, Any]) -> 
         raise KeyError(name)
     layer = model.decoder.layers[int(m.group(1))]
     g, rest = int(layer.layer_number) - 1, m.group(2)
+    if getattr(model, "blocks_per_layer", 1) == 2:  # a GPTModel layer: attention block 2l, mlp block 2l+1
+        g = 2 * g + int(rest.startswith(("pre_mlp_layernorm.", "mlp.")))
     b = spec.blocks[g]
     table = (
         _MAMBA
@@ -169,8 +190,9 @@ def shard(
     def k(role: str) -> torch.Tensor:
         return hf[names.key(s.block, role, s.expert)]
 
-    if s.layout == "qkv":
-        return fuse_qkv(k("q"), k("k"), k("v"), b.num_kv_groups).chunk(n, 0)[r]  # type: ignore[union-attr]
+    if s.layout == "qkv":  # weights, or the biases (Qwen2) for role ``qkv_bias``
+        sfx = s.role.removeprefix("qkv")
+        return fuse_qkv(k("q" + sfx), k("k" + sfx), k("v" + sfx), b.num_kv_groups).chunk(n, 0)[r]  # type: ignore[union-attr]
     if s.layout == "fc1":
         pre = s.role.removesuffix("fc1")
         up = k(pre + "up").chunk(n, 0)[r]
@@ -209,8 +231,9 @@ def unshard(spec: ArchSpec, names: HfNames, s: Slot, t: torch.Tensor, n: int, gr
     if s.layout == "col":
         return {key(s.role): torch.cat(parts, dim=1)}
     if s.layout == "qkv":
+        sfx = s.role.removeprefix("qkv")
         q, k_, v = split_qkv(torch.cat(parts), b.num_kv_groups, b.num_heads, b.head_dim)  # type: ignore[union-attr]
-        return {key("q"): q, key("k"): k_, key("v"): v}
+        return {key("q" + sfx): q, key("k" + sfx): k_, key("v" + sfx): v}
     if s.layout == "fc1":
         pre = s.role.removesuffix("fc1")
         if not b.gated:  # type: ignore[union-attr]
@@ -251,7 +274,7 @@ def hf_to_megatron(spec: ArchSpec, hf_sd: dict[str, torch.Tensor], model: Any) -
                 continue
             t.copy_(src.to(t.dtype))
     full_model = bool(getattr(model, "pre_process", True) and getattr(model, "post_process", True))
-    unused = set(hf_sd) - set(hf_shapes(spec))
+    unused = {k for k in set(hf_sd) - set(hf_shapes(spec)) if not k.endswith("rotary_emb.inv_freq")}
     if spec.tied_embeddings and names.lm_head in unused and torch.equal(hf_sd[names.lm_head], hf_sd[names.embed]):
         unused.discard(names.lm_head)
     if unused and full_model:
@@ -263,7 +286,7 @@ def hf_to_megatron(spec: ArchSpec, hf_sd: dict[str, torch.Tensor], model: Any) -
 
 
 def megatron_to_hf(spec: ArchSpec, model: Any, grads: bool = False) -> dict[str, torch.Tensor]:
-    """The Hugging Face-named state dict (float32, CPU, full tensors) of a Megatron hybrid model.
+    """The Hugging Face-named state dict (float32, CPU, full tensors) of a Megatron model.
 
     Collective over the TP and EP groups (call on every rank; every rank gets everything).
     ``grads=True`` maps the parameters' ``.grad`` instead (zeros where missing; buffers skipped).
