@@ -4,6 +4,7 @@ rule). Removed when ``num_heads == 0`` where the engine can remove attention."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
@@ -122,6 +123,39 @@ class Attention(Kind):
         if "heads" in orders:
             check_grouped(key("o"), orders["heads"], orders["groups"], b.num_kv_groups)
             permute_heads(sd, *(key(r) for r in "qkvo"), orders["heads"], orders["groups"], b.head_dim)
+
+    def megatron_config(self, base: Any, b: AttentionBlock) -> Any:
+        return dataclasses.replace(
+            base, num_attention_heads=b.num_heads, num_query_groups=b.num_kv_groups, kv_channels=b.head_dim
+        )
+
+    def megatron_spec(self, b: AttentionBlock, config: Any, m: dict[str, Any], chunk_size: int) -> Any:
+        from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+        from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+        from megatron.core.transformer.enums import AttnMaskType
+        from megatron.core.transformer.identity_op import IdentityOp
+        from megatron.core.transformer.spec_utils import ModuleSpec
+        from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+        qk = m["qk"] if config.qk_layernorm else IdentityOp
+        attention = ModuleSpec(
+            module=SelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(
+                linear_qkv=m["col"], core_attention=m["core"], linear_proj=m["row"], q_layernorm=qk, k_layernorm=qk
+            ),
+        )
+        return ModuleSpec(
+            module=TransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                input_layernorm=m["norm"], self_attention=attention, self_attn_bda=get_bias_dropout_add
+            ),
+        )
+
+    def shard_problem(self, b: AttentionBlock, tp: int, ep: int, etp: int) -> str | None:
+        if b.num_heads % tp or b.num_kv_groups % tp:
+            return f"{b.num_heads} heads / {b.num_kv_groups} KV groups vs TP={tp}"
+        return None
 
     def params(self, b: AttentionBlock, hidden: int, active: bool = False) -> int:
         """Q, K, V, O projections and the input norm, no biases: ``2*h*H*d + 2*h*G*d + h``."""

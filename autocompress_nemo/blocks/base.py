@@ -131,6 +131,19 @@ class Kind(ABC):
     def permute(self, sd: dict[str, torch.Tensor], key: Key, block: Any, orders: dict[str, torch.Tensor]) -> None:
         """Apply ``orders`` to the block's tensors in ``sd`` (in place; the function is unchanged)."""
 
+    # -- Megatron (HybridModel: one layer per block; imports are lazy, Megatron loads on first use) --
+    @abstractmethod
+    def megatron_config(self, base: Any, block: Any) -> Any:
+        """``base`` (a ``TransformerConfig``) with the fields of this block."""
+
+    @abstractmethod
+    def megatron_spec(self, block: Any, config: Any, modules: dict[str, Any], chunk_size: int) -> Any:
+        """The block's Megatron layer spec (``modules``: the local or Transformer Engine building blocks)."""
+
+    @abstractmethod
+    def shard_problem(self, block: Any, tp: int, ep: int, etp: int) -> str | None:
+        """Why the block cannot be split at these parallel sizes (None: it can)."""
+
     # -- counts (formulas in each kind's docstrings; a removed block is never asked) --------------
     @abstractmethod
     def params(self, block: Any, hidden: int, active: bool = False) -> int:

@@ -121,6 +121,36 @@ class Mamba(Kind):
         sd[key("mnorm")] = rows(sd[key("mnorm")], heads, P)
         sd[key("out_proj")] = cols(sd[key("out_proj")], heads, P)
 
+    def megatron_config(self, base: Any, b: MambaBlock) -> Any:
+        return dataclasses.replace(
+            base,
+            mamba_num_heads=b.num_heads,
+            mamba_head_dim=b.head_dim,
+            mamba_state_dim=b.state_size,
+            mamba_num_groups=b.num_groups,
+        )
+
+    def megatron_spec(self, b: MambaBlock, config: Any, m: dict[str, Any], chunk_size: int) -> Any:
+        from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+        from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+        from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        mixer = ModuleSpec(
+            module=MambaMixer,
+            params={"d_conv": b.conv_kernel, "chunk_size": chunk_size},
+            submodules=MambaMixerSubmodules(in_proj=m["col"], out_proj=m["row"]),
+        )
+        return ModuleSpec(
+            module=MambaLayer,
+            submodules=MambaLayerSubmodules(norm=m["norm"], mixer=mixer, mamba_bda=get_bias_dropout_add),
+        )
+
+    def shard_problem(self, b: MambaBlock, tp: int, ep: int, etp: int) -> str | None:
+        if b.num_heads % tp or b.num_groups % tp:
+            return f"{b.num_heads} Mamba heads / {b.num_groups} groups vs TP={tp}"
+        return None
+
     def params(self, b: MambaBlock, hidden: int, active: bool = False) -> int:
         """in_proj ``h*(2*Hm*Pm + 2*Gm*N + Hm)`` (z, x, B, C, dt) + conv ``conv_dim*(K+1)`` (weights +
         bias) + ``3*Hm`` (dt_bias, A_log, D) + ``Hm*Pm`` (gated norm) + out_proj ``Hm*Pm*h`` + ``h``."""

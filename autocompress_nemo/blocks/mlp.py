@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -84,6 +85,15 @@ class Mlp(Kind):
         if "ffn" in orders:
             permute_neurons(sd, [key(r) for r in ("up", "gate") if key(r) in sd], key("down"), orders["ffn"])
 
+    def megatron_config(self, base: Any, b: MlpBlock) -> Any:
+        return dense_mlp_config(base, b.ffn, b.activation)
+
+    def megatron_spec(self, b: MlpBlock, config: Any, m: dict[str, Any], chunk_size: int) -> Any:
+        return dense_mlp_spec(m)
+
+    def shard_problem(self, b: MlpBlock, tp: int, ep: int, etp: int) -> str | None:
+        return f"ffn {b.ffn} vs TP={tp}" if b.ffn % tp else None
+
     def params(self, b: MlpBlock, hidden: int, active: bool = False) -> int:
         """``ffn_params(h, F) + h`` (input norm)."""
         return ffn_params(hidden, b.ffn, b.gated) + hidden
@@ -105,3 +115,28 @@ class Mlp(Kind):
             i = 0 if b.ffn < xs[0] else len(xs) - 2
             return float(ys[i] + (ys[i + 1] - ys[i]) * (b.ffn - xs[i]) / (xs[i + 1] - xs[i]))
         return float(np.interp(b.ffn, xs, ys))
+
+
+def dense_mlp_config(base: Any, ffn: int, activation_name: str) -> Any:
+    """``base`` with a dense MLP of width ``ffn`` (also an MoE block reduced to its shared expert)."""
+    from autocompress_nemo.models.megatron import activation
+
+    act, gated = activation(activation_name)
+    return dataclasses.replace(base, ffn_hidden_size=ffn, activation_func=act, gated_linear_unit=gated)
+
+
+def dense_mlp_spec(m: dict[str, Any]) -> Any:
+    """Megatron's ``MLPLayer`` spec (pre-MLP norm, fc1, fc2)."""
+    import functools
+
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    mlp = functools.partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=m["col"], linear_fc2=m["row"]))
+    return ModuleSpec(
+        module=MLPLayer,
+        submodules=TransformerLayerSubmodules(pre_mlp_layernorm=m["norm"], mlp=mlp, mlp_bda=get_bias_dropout_add),
+    )

@@ -254,6 +254,60 @@ class Moe(Kind):
             out["expert_ffn"] = torch.stack([ef[src][ffn[new]] for new, src in enumerate(orders["experts"].tolist())])
         return out
 
+    def megatron_config(self, base: Any, b: MoeBlock) -> Any:
+        from autocompress_nemo.blocks.mlp import dense_mlp_config
+        from autocompress_nemo.models.megatron import activation
+
+        if not has_routed_experts(b):  # routed experts removed: the shared expert is a dense MLP
+            return dense_mlp_config(base, b.shared_ffn, b.activation)
+        if b.top_k == 1 and base.moe_router_score_function == "sigmoid":
+            raise ValueError(
+                "MoE block with top_k=1 and a sigmoid router: Hugging Face Nemotron-H normalizes the top-k "
+                "weights (a single expert gets weight 1.0) but Megatron only normalizes for top_k > 1; "
+                "use top_k >= 2"
+            )
+        if b.latent and base.moe_shared_expert_overlap:
+            raise ValueError("LatentMoE blocks need moe_shared_expert_overlap=False")
+        act, gated = activation(b.activation)
+        return dataclasses.replace(
+            base,
+            num_moe_experts=b.num_experts,
+            moe_ffn_hidden_size=b.expert_ffn,
+            moe_router_topk=b.top_k,
+            moe_shared_expert_intermediate_size=b.shared_ffn or None,
+            moe_latent_size=b.latent or None,
+            activation_func=act,
+            gated_linear_unit=gated,
+        )
+
+    def megatron_spec(self, b: MoeBlock, config: Any, m: dict[str, Any], chunk_size: int) -> Any:
+        from autocompress_nemo.blocks.mlp import dense_mlp_spec
+
+        if not has_routed_experts(b):
+            return dense_mlp_spec(m)
+        from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+        from megatron.core.transformer.spec_utils import ModuleSpec
+        from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayerSubmodules
+
+        use_te = m["te"]
+        return ModuleSpec(
+            module=MoETransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                pre_mlp_layernorm=m["moe_norm"],
+                mlp=get_moe_module_spec(use_te=use_te, num_experts=b.num_experts, moe_grouped_gemm=use_te),
+                mlp_bda=get_bias_dropout_add,
+            ),
+        )
+
+    def shard_problem(self, b: MoeBlock, tp: int, ep: int, etp: int) -> str | None:
+        out = []
+        if has_routed_experts(b) and (b.num_experts % ep or b.expert_ffn % etp):
+            out.append(f"{b.num_experts} experts vs EP={ep} or expert ffn {b.expert_ffn} vs expert-TP={etp}")
+        if b.shared_ffn % tp:
+            out.append(f"shared-expert ffn {b.shared_ffn} vs TP={tp}")
+        return "; ".join(out) or None
+
     def params(self, b: MoeBlock, hidden: int, active: bool = False) -> int:
         """``h*E (router) + E' * ffn_params(L or h, F_e) + [2*h*L (latent down/up)] + ffn_params(h, S)
         + h (norm)``, with ``E' = k`` for active parameters and ``E`` for total."""
