@@ -43,15 +43,6 @@ def expert_params(b: Block, hidden: int) -> int:
     return 0
 
 
-def params_per_gpu(dense: int, expert: int, tp: int, ep: int, etp: int) -> float:
-    """Parameters one GPU holds: ``dense / t + expert / (ep * etp)``.
-
-    Dense weights are split by tensor parallelism; routed experts are spread over ``ep``
-    ranks and each expert split ``etp`` ways (Megatron's expert grid).
-    """
-    return dense / tp + expert / (ep * etp)
-
-
 def weight_bytes(params: float, dtype_bytes: float = BF16) -> float:
     """Model weights: ``params * dtype_bytes`` (bf16: 2 bytes)."""
     return params * dtype_bytes
