@@ -104,27 +104,20 @@ class Context:
     def model(self, spec: ArchSpec, sd: dict[str, torch.Tensor]) -> torch.nn.Module:
         """A Megatron model of ``spec`` on this rank holding ``sd`` (sharded as the TP layout asks)."""
         from autocompress_nemo.models.builder import build_model
-        from autocompress_nemo.models.llama.state_dict_adapter import hf_to_megatron
+        from autocompress_nemo.models.hybrid.state_dict import hf_to_megatron
 
         self.init_distributed()
         model = build_model(
             spec, sequence_parallel=bool(self.cfg.cluster.sequence_parallel), init_seed=int(self.cfg.seed)
         )
-        if not spec.is_dense_layered():  # MoE / Mamba hybrids: the family's HF names (models/hybrid)
-            from autocompress_nemo.models.hybrid import hf_to_megatron as hybrid_hf_to_megatron
-
-            hybrid_hf_to_megatron(spec, sd, model)
-            return model
         hf_to_megatron(spec, sd, model)
         return model
 
     @staticmethod
     def to_hf(spec: ArchSpec, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The HF-named state dict of a Megatron model (collective over TP/EP), by model family."""
-        if spec.is_dense_layered():
-            from autocompress_nemo.models.llama.state_dict_adapter import megatron_to_hf
-        else:
-            from autocompress_nemo.models.hybrid import megatron_to_hf
+        """The HF-named state dict of a Megatron model (collective over TP/EP)."""
+        from autocompress_nemo.models.hybrid.state_dict import megatron_to_hf
+
         return megatron_to_hf(spec, model)
 
     @staticmethod

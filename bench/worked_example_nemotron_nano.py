@@ -16,7 +16,7 @@ in place of activation scores. Two proxies, both reported:
 - ``params``: a unit's importance is proportional to its parameters (every weight equal);
 - ``routing_mass``: parameters times the share of tokens the unit processes under uniform
   routing (``k/E`` for a routed expert's weights, 1 for the shared expert and other blocks) —
-  the scale the activation-based scores of ``rank/moe_mamba.py`` (routing mass x output) have.
+  the scale the activation-based scores of ``rank/importance.py`` (routing mass x output) have.
 
 Each proxy runs on the full space (attention / Mamba block removal included, as TensorRT-LLM can
 serve it) and on the MoE decisions alone (``moe_only``: attention and Mamba blocks kept), which
@@ -78,7 +78,7 @@ def importance_rows(parent: ArchSpec, decisions: list, proxy: str) -> list[list[
 
 def unit_blocks(moe: MoeBlock) -> dict[str, MoeBlock]:
     """The parent MoE block's parts with one unit less of each dimension (priced by the same table)."""
-    from autocompress_nemo.costs.table import moe_parts
+    from autocompress_nemo.blocks.moe import moe_parts
 
     routed, shared = moe_parts(moe)
     return {
@@ -92,7 +92,7 @@ def unit_blocks(moe: MoeBlock) -> dict[str, MoeBlock]:
 
 def unit_costs(bc: Any, parent_moe: MoeBlock, h: int) -> dict[str, Any]:
     """Cost saved by removing one unit of each MoE dimension from the parent block (finite differences)."""
-    from autocompress_nemo.costs.table import moe_parts
+    from autocompress_nemo.blocks.moe import moe_parts
 
     routed, shared = moe_parts(parent_moe)
 

@@ -99,7 +99,7 @@ def smollm2_sorted(gguf: Path, budget_factor: float = 0.6) -> Setup:
     spec, sd, tok = load_gguf(gguf)
     calib, heldout = _stdlib_ids(tok, CALIB_FILES), _stdlib_ids(tok, HELDOUT_FILES)
     model = megatron_from_hf(spec, sd)
-    imp = collect_importance(model, spec, [calib[i : i + 2] for i in range(0, 8, 2)], forward_logits, False)
+    imp = collect_importance(model, spec, [calib[i : i + 2] for i in range(0, 8, 2)], forward_logits)
     perms = permutations_from_scores(spec, imp)
     sorted_sd = apply_permutations(spec, sd, perms)
     del model, sd
@@ -115,7 +115,7 @@ def smollm2_sorted(gguf: Path, budget_factor: float = 0.6) -> Setup:
         budget={"decode_ms": budget_factor * cost.predict(spec)["decode_ms"]},
         calib=calib,
         heldout=heldout[:4],
-        importance=option_importance(decisions, sorted_importance(imp, perms)),
+        importance=option_importance(decisions, sorted_importance(spec, imp, perms)),
         search_cfg=cfg.search,
     )
 

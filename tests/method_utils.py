@@ -7,8 +7,8 @@ import torch
 from autocompress_nemo.arch.counts import param_count
 from autocompress_nemo.arch.spec import ArchSpec, Block
 from autocompress_nemo.models.builder import build_model
+from autocompress_nemo.models.hybrid.state_dict import hf_to_megatron
 from autocompress_nemo.models.llama.reference import random_hf_state_dict
-from autocompress_nemo.models.llama.state_dict_adapter import hf_to_megatron
 
 TINY = ArchSpec.llama(hidden=32, vocab=96, layers=3, heads=4, kv_groups=2, ffn=64, name="tiny")
 CAPS = {

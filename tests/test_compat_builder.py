@@ -11,10 +11,10 @@ from conftest import tiny_hetero_spec, tiny_uniform_spec
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.models import compat_cpu
 from autocompress_nemo.models.builder import block_configs, build_model, forward_logits
+from autocompress_nemo.models.hybrid.state_dict import fuse_qkv, split_qkv
 from autocompress_nemo.models.llama import hf_to_megatron, megatron_to_hf
 from autocompress_nemo.models.llama.gguf_import import unpermute_rope_rows
 from autocompress_nemo.models.llama.reference import random_hf_state_dict, reference_logits
-from autocompress_nemo.models.llama.state_dict_adapter import fuse_qkv, split_qkv
 
 # float32 through ~4 matmuls of width <= 96: differences are rounding only (measured ~1e-7)
 ATOL = 1e-5

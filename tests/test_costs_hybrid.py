@@ -15,6 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from autocompress_nemo.arch.spec import MoeBlock
+from autocompress_nemo.blocks.moe import moe_parts
 from autocompress_nemo.config.schema import BudgetConstraint, TargetConfig
 from autocompress_nemo.costs import memory as mem
 from autocompress_nemo.costs.engines import get_engine
@@ -23,7 +24,7 @@ from autocompress_nemo.costs.engines.roofline import expected_experts_touched
 from autocompress_nemo.costs.predictor import Predictor
 from autocompress_nemo.costs.profile import build_table
 from autocompress_nemo.costs.profile.differences import spread_copies
-from autocompress_nemo.costs.table import CostTable, ProvenanceMismatch, moe_parts
+from autocompress_nemo.costs.table import CostTable, ProvenanceMismatch
 from tests.hybrid_utils import conf_spec, hetero_hybrid_spec, requires_mamba
 
 KINDS = ["attention", "mlp", "moe", "mamba"]

@@ -97,8 +97,8 @@ def test_topk_and_expert_masks_softmax_moe(megatron_tp1):
 @requires_mamba
 def test_reorder_then_router_search_meets_params_budget(megatron_tp1):
     from autocompress_nemo.extract.repair import repair
-    from autocompress_nemo.rank.moe_mamba import collect_moe_mamba_importance
-    from autocompress_nemo.rank.reorder_hybrid import apply_moe_mamba_permutations, permutations_from_scores
+    from autocompress_nemo.rank.importance import collect_importance
+    from autocompress_nemo.rank.reorder import apply_permutations, permutations_from_scores
     from autocompress_nemo.search.autocompress import run_router_search
     from autocompress_nemo.search.judge import ProxyJudge
 
@@ -106,8 +106,8 @@ def test_reorder_then_router_search_meets_params_budget(megatron_tp1):
     sd = random_hf_state_dict(spec, seed=3)
     model = _model(spec, sd)
     batches = [ids(spec, T=16, B=2, seed=s) for s in (20, 21)]
-    imp = collect_moe_mamba_importance(model, spec, batches, forward_logits)
-    sorted_sd = apply_moe_mamba_permutations(spec, sd, permutations_from_scores(spec, imp))
+    imp = collect_importance(model, spec, batches, forward_logits)
+    sorted_sd = apply_permutations(spec, sd, permutations_from_scores(spec, imp))
     model = _model(spec, sorted_sd)
     caps = {**ALL, "remove_attention": False, "remove_mlp": False}
     decisions = build_space(spec, caps)

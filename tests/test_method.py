@@ -45,17 +45,20 @@ def _ranked():
 def test_importance_shapes_and_reorder_invariance() -> None:
     spec, sd, model, imp, perms, sorted_sd = _ranked()
     assert imp.hidden.shape == (spec.hidden,)
-    assert all(s.heads.shape == (4,) and s.ffn.shape == (64,) for s in imp.layers)
-    assert all(s.attn_block > 0 and s.mlp_block > 0 for s in imp.layers)
+    assert [sorted(b) for b in imp.blocks] == [["heads"], ["ffn"]] * spec.num_layers
+    assert all(b["heads"].shape == (4,) for b in imp.blocks[0::2]) and all(
+        b["ffn"].shape == (64,) for b in imp.blocks[1::2]
+    )
+    assert all(float(v.min()) > 0 for b in imp.blocks for v in b.values())
     x = _batches(spec.vocab, 1, seed=5)[0]
     with torch.no_grad():
         ref = forward_logits(model, x)
         sorted_model = megatron_from_hf(spec, sorted_sd)
         out = forward_logits(sorted_model, x)
     assert torch.allclose(ref, out, atol=1e-5), (ref - out).abs().max()
-    s_imp = sorted_importance(imp, perms)
-    for s in s_imp.layers:  # sorted descending (ffn strictly by score; heads grouped)
-        assert torch.all(s.ffn[:-1] >= s.ffn[1:])
+    s_imp = sorted_importance(spec, imp, perms)
+    for s in s_imp.blocks[1::2]:  # sorted descending (ffn strictly by score; heads grouped)
+        assert torch.all(s["ffn"][:-1] >= s["ffn"][1:])
 
 
 def test_masked_supernet_equals_extracted_child() -> None:
@@ -129,7 +132,7 @@ def test_repair_fixes_over_budget_snap(kind: str) -> None:
             megatron_from_hf(spec, sorted_sd), spec, decisions, _batches(spec.vocab, 2, seed=5), forward_logits
         )
     else:
-        judge = ProxyJudge(option_importance(decisions, sorted_importance(imp, perms)))
+        judge = ProxyJudge(option_importance(decisions, sorted_importance(spec, imp, perms)))
     fixed, steps = repair(spec, decisions, parent_choices, cost.predict, budget, judge)
     assert steps > 0
     assert cost.predict(apply_choices(spec, decisions, fixed))["params"] <= budget["params"]

@@ -48,10 +48,10 @@ def _search_on_rank(rank: int, world: int) -> dict:
         router_init="parent",
     )
     return {
-        "ffn": [s.ffn for s in imp.layers],
-        "heads": [s.heads for s in imp.layers],
-        "perm_ffn": perms.ffn,
-        "perm_heads": perms.heads,
+        "ffn": [b["ffn"] for b in imp.blocks[1::2]],
+        "heads": [b["heads"] for b in imp.blocks[0::2]],
+        "perm_ffn": [b["ffn"] for b in perms.blocks[1::2]],
+        "perm_heads": [b["heads"] for b in perms.blocks[0::2]],
         "choices": out.choices,
         "probs": out.probs,
         "kd": [r["kd"] for r in out.trajectory],

@@ -18,12 +18,12 @@ from autocompress_nemo.models.builder import build_model, forward_logits
 from autocompress_nemo.models.hybrid import hf_to_megatron
 from autocompress_nemo.models.hybrid.names import hf_names
 from autocompress_nemo.models.hybrid.state_dict import random_hf_state_dict
-from autocompress_nemo.rank.moe_mamba import collect_moe_mamba_importance
-from autocompress_nemo.rank.reorder_hybrid import (
-    MoeMambaPermutations,
-    apply_moe_mamba_permutations,
+from autocompress_nemo.rank.importance import collect_importance
+from autocompress_nemo.rank.reorder import (
+    Permutations,
+    apply_permutations,
     permutations_from_scores,
-    sorted_scores,
+    sorted_importance,
 )
 
 TOL = 1e-5
@@ -39,7 +39,7 @@ def _score(spec, sd):
     model = build_model(spec)
     hf_to_megatron(spec, sd, model)
     batches = [ids(spec, T=16, B=2, seed=s) for s in (10, 11)]
-    return collect_moe_mamba_importance(model, spec, batches, forward_logits)
+    return collect_importance(model, spec, batches, forward_logits)
 
 
 def _descending(v: torch.Tensor) -> bool:
@@ -59,27 +59,28 @@ def test_sorted_reorder_keeps_logits_nemotron_h(megatron_tp1):
         [g for g, b in enumerate(spec.blocks) if isinstance(b, t)]
         for t in (MoeBlock, MambaBlock, AttentionBlock, MlpBlock)
     )
-    assert set(perms.experts) == set(perms.shared_ffn) == set(moe) and set(perms.mamba_heads) == set(mamba)
-    assert set(perms.heads) == set(perms.groups) == set(attn) and set(perms.ffn) == set(mlp) and attn and mlp
+    has = lambda n: {g for g, b in enumerate(perms.blocks) if n in b}  # noqa: E731
+    assert has("experts") == has("shared_ffn") == set(moe) and has("mamba_heads") == set(mamba)
+    assert has("heads") == has("groups") == set(attn) and has("ffn") == set(mlp) and attn and mlp
     for kind in ("experts", "shared_ffn", "mamba_heads", "heads", "ffn"):
-        assert any(not torch.equal(t, torch.arange(len(t))) for t in getattr(perms, kind).values()), (
+        assert any(not torch.equal(b[kind], torch.arange(len(b[kind]))) for b in perms.blocks if kind in b), (
             f"every {kind} permutation is the identity: the invariance check would be vacuous"
         )
     assert perms.hidden is not None and not torch.equal(perms.hidden, torch.arange(spec.hidden))
-    _, after = _logits(spec, apply_moe_mamba_permutations(spec, sd, perms), x)
+    _, after = _logits(spec, apply_permutations(spec, sd, perms), x)
     err = (after - before).abs().max().item()
     print(f"score-sorted reorder: max |dlogits| = {err:.2e}")
     assert err < TOL
-    s = sorted_scores(imp, perms)
+    s = sorted_importance(spec, imp, perms)
     for g in moe:
-        assert _descending(s.blocks[g].experts) and _descending(s.blocks[g].shared_ffn)
-        assert all(_descending(row) for row in s.blocks[g].expert_ffn)
+        assert _descending(s.blocks[g]["experts"]) and _descending(s.blocks[g]["shared_ffn"])
+        assert all(_descending(row) for row in s.blocks[g]["expert_ffn"])
     for g, field, n_groups in [(g, "mamba_heads", spec.blocks[g].num_groups) for g in mamba] + [
         (g, "heads", spec.blocks[g].num_kv_groups) for g in attn
     ]:
-        per_group = getattr(s.blocks[g], field).view(n_groups, -1)
+        per_group = s.blocks[g][field].view(n_groups, -1)
         assert _descending(per_group.sum(1)) and all(_descending(row) for row in per_group)
-    assert all(_descending(s.blocks[g].ffn) for g in mlp) and _descending(s.hidden)
+    assert all(_descending(s.blocks[g]["ffn"]) for g in mlp) and _descending(s.hidden)
 
 
 @requires_mamba
@@ -90,25 +91,26 @@ def test_arbitrary_valid_permutations_keep_logits(megatron_tp1):
     x = ids(spec)
     _, before = _logits(spec, sd, x)
     gen = torch.Generator().manual_seed(0)
-    p = MoeMambaPermutations()
+    p = Permutations(blocks=[{} for _ in spec.blocks])
     for g, b in enumerate(spec.blocks):
+        o = p.blocks[g]
         if isinstance(b, MoeBlock):
-            p.experts[g] = torch.randperm(b.num_experts, generator=gen)
-            p.expert_ffn[g] = torch.stack([torch.randperm(b.expert_ffn, generator=gen) for _ in range(b.num_experts)])
-            p.shared_ffn[g] = torch.randperm(b.shared_ffn, generator=gen)
+            o["experts"] = torch.randperm(b.num_experts, generator=gen)
+            o["expert_ffn"] = torch.stack([torch.randperm(b.expert_ffn, generator=gen) for _ in range(b.num_experts)])
+            o["shared_ffn"] = torch.randperm(b.shared_ffn, generator=gen)
         if isinstance(b, MambaBlock):
             hpg = b.num_heads // b.num_groups
             groups = torch.arange(b.num_groups).flip(0)
-            p.mamba_groups[g] = groups
-            p.mamba_heads[g] = torch.cat([gi * hpg + torch.randperm(hpg, generator=gen) for gi in groups.tolist()])
+            o["mamba_groups"] = groups
+            o["mamba_heads"] = torch.cat([gi * hpg + torch.randperm(hpg, generator=gen) for gi in groups.tolist()])
         if isinstance(b, AttentionBlock):
             hpg = b.heads_per_group
-            p.groups[g] = torch.arange(b.num_kv_groups).flip(0)
-            p.heads[g] = torch.cat([gi * hpg + torch.randperm(hpg, generator=gen) for gi in p.groups[g].tolist()])
+            o["groups"] = torch.arange(b.num_kv_groups).flip(0)
+            o["heads"] = torch.cat([gi * hpg + torch.randperm(hpg, generator=gen) for gi in o["groups"].tolist()])
         if isinstance(b, MlpBlock):
-            p.ffn[g] = torch.randperm(b.ffn, generator=gen)
+            o["ffn"] = torch.randperm(b.ffn, generator=gen)
     p.hidden = torch.randperm(spec.hidden, generator=gen)
-    _, after = _logits(spec, apply_moe_mamba_permutations(spec, sd, p), x)
+    _, after = _logits(spec, apply_permutations(spec, sd, p), x)
     assert (after - before).abs().max().item() < TOL
 
 
@@ -129,16 +131,17 @@ def test_silent_expert_and_head_score_zero(megatron_tp1):
     for g in range(len(spec.blocks)):  # hidden channel 7 is zeroed by every block's norm
         sd[names.key(g, "norm")][7] = 0.0
     imp = _score(spec, sd)
-    experts, heads = imp.blocks[g_moe].experts, imp.blocks[g_mamba].mamba_heads
+    experts, heads = imp.blocks[g_moe]["experts"], imp.blocks[g_mamba]["mamba_heads"]
     assert experts[1] == 0 and (experts[[0, 2, 3]] > 0).all()
     assert heads[2] == 0 and (heads[[0, 1, 3]] > 0).all()
-    attn, ffn, hidden = imp.blocks[g_attn].heads, imp.blocks[g_mlp].ffn, imp.hidden
+    attn, ffn, hidden = imp.blocks[g_attn]["heads"], imp.blocks[g_mlp]["ffn"], imp.hidden
     assert attn[1] == 0 and (attn[[0, 2, 3]] > 0).all()
     assert ffn[5] == 0 and (ffn > 0).sum() == len(ffn) - 1
     assert hidden[7] == 0 and (hidden > 0).sum() == spec.hidden - 1
     perms = permutations_from_scores(spec, imp)
-    assert perms.experts[g_moe][-1] == 1 and perms.ffn[g_mlp][-1] == 5 and perms.hidden[-1] == 7
-    assert perms.groups[g_attn][-1] == 0 and perms.heads[g_attn][-1] == 1  # head 1 last in KV group 0
+    pb = perms.blocks
+    assert pb[g_moe]["experts"][-1] == 1 and pb[g_mlp]["ffn"][-1] == 5 and perms.hidden[-1] == 7
+    assert pb[g_attn]["groups"][-1] == 0 and pb[g_attn]["heads"][-1] == 1  # head 1 last in KV group 0
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -149,8 +152,9 @@ def test_reorder_keeps_logits_qwen3_moe(megatron_tp1, tied):
     x = ids(spec)
     _, before = _logits(spec, sd, x)
     perms = permutations_from_scores(spec, _score(spec, sd))
-    assert len(perms.experts) == len(perms.heads) == 4 and not perms.shared_ffn and not perms.mamba_heads
+    has = lambda n: sum(n in b for b in perms.blocks)  # noqa: E731
+    assert has("experts") == has("heads") == 4 and not has("shared_ffn") and not has("mamba_heads")
     assert perms.hidden is not None and not torch.equal(perms.hidden, torch.arange(spec.hidden))
-    assert any(not torch.equal(h, torch.arange(len(h))) for h in perms.heads.values())
-    _, after = _logits(spec, apply_moe_mamba_permutations(spec, sd, perms), x)
+    assert any(not torch.equal(b["heads"], torch.arange(len(b["heads"]))) for b in perms.blocks if "heads" in b)
+    _, after = _logits(spec, apply_permutations(spec, sd, perms), x)
     assert (after - before).abs().max().item() < TOL

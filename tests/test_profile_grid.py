@@ -9,13 +9,13 @@ import pytest
 
 from autocompress_nemo.arch.from_config import spec_from_model_config
 from autocompress_nemo.arch.spec import ArchSpec, MoeBlock
+from autocompress_nemo.blocks.moe import moe_parts
 from autocompress_nemo.config.engine import EngineCapabilities, capabilities_of, settings_of
 from autocompress_nemo.config.entry import compose
 from autocompress_nemo.config.resolve import search_capabilities
 from autocompress_nemo.config.validate import ConfigError, collect_problems
 from autocompress_nemo.costs.profile.grid import profile_options
 from autocompress_nemo.costs.profile.pairs import make_plan
-from autocompress_nemo.costs.table import moe_parts
 from autocompress_nemo.profile.validate import candidates
 from autocompress_nemo.search.space import build_space
 

@@ -9,7 +9,7 @@ import torch
 
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.extract.slice import slice_state_dict
-from autocompress_nemo.rank.importance import Importance, LayerScores
+from autocompress_nemo.rank.importance import Importance
 from autocompress_nemo.rank.reorder import apply_permutations, permutations_from_scores
 
 transformers = pytest.importorskip("transformers")
@@ -41,11 +41,10 @@ def _tiny_llama(spec: ArchSpec, seed: int = 0):
 
 
 def _random_importance(spec: ArchSpec, gen: torch.Generator) -> Importance:
-    layers = [
-        LayerScores(heads=torch.rand(a.num_heads, generator=gen), ffn=torch.rand(m.ffn, generator=gen))
-        for a, m in spec.layers()
-    ]
-    return Importance(hidden=torch.rand(spec.hidden, generator=gen), layers=layers, tokens=1)
+    blocks = []
+    for a, m in spec.layers():
+        blocks += [{"heads": torch.rand(a.num_heads, generator=gen)}, {"ffn": torch.rand(m.ffn, generator=gen)}]
+    return Importance(hidden=torch.rand(spec.hidden, generator=gen), blocks=blocks, tokens=1)
 
 
 @pytest.mark.parametrize("tied", [True, False])

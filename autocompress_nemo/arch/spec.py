@@ -233,6 +233,18 @@ class ArchSpec:
         return [(self.blocks[i], self.blocks[i + 1]) for i in range(0, len(self.blocks), 2)]  # type: ignore[misc]
 
     @property
+    def qk_norm(self) -> bool:
+        """Per-head q / k RMSNorms (Qwen3 dense and MoE; never Nemotron-H)."""
+        if self.family == "nemotron_h":
+            return False
+        return bool(self.extra.get("qk_layernorm", self.family in ("qwen3", "qwen3_moe")))
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Biases on q / k / v (Qwen2)."""
+        return bool(self.extra.get("qkv_bias", self.family == "qwen2"))
+
+    @property
     def num_layers(self) -> int:
         return len(self.blocks) // 2 if self.is_dense_layered() else len(self.blocks)
 

@@ -4,13 +4,16 @@ rule). Removed when ``num_heads == 0`` where the engine can remove attention."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
+import numpy as np
 import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock
-from autocompress_nemo.blocks.base import Decision, Grid, Kind, need
+from autocompress_nemo.blocks.base import Decision, Grid, Key, Kind, Role, Scores, need
+from autocompress_nemo.rank.permute import check_grouped, grouped_order, permute_heads
 
 
 def kept_heads(parent_hpg: int, groups: int, heads_per_group: int) -> torch.Tensor:
@@ -64,6 +67,9 @@ class Attention(Kind):
             rows.append(row)
         return {"out": torch.stack(rows)}
 
+    def mask_sites(self, d: Decision, layer: Any, pb: AttentionBlock) -> list:
+        return [(layer.self_attention.linear_proj, "out", pb.head_dim, pb.num_heads, True)]
+
     def kept_importance(self, d: Decision, option: AttentionBlock, scores: Any) -> float:
         heads = need(scores, "heads", d)
         parent_hpg = len(heads) // d.options[-1].num_kv_groups  # type: ignore[attr-defined]  (last = the parent's)
@@ -88,3 +94,88 @@ class Attention(Kind):
         if role == "o":
             return t[:, _rows(p, c)]
         return super().slice(p, c, role, t, shape)  # k, v (+ biases): the first G' groups; norms
+
+    def roles(self, spec: ArchSpec, b: AttentionBlock) -> list[Role]:
+        h, d = spec.hidden, b.head_dim
+        q, kv = b.num_heads * d, b.num_kv_groups * d
+        out: list[Role] = [("q", None, (q, h)), ("k", None, (kv, h)), ("v", None, (kv, h)), ("o", None, (h, q))]
+        if spec.qk_norm:
+            out += [("q_norm", None, (d,)), ("k_norm", None, (d,))]
+        if spec.qkv_bias:  # Qwen2
+            out += [("q_bias", None, (q,)), ("k_bias", None, (kv,)), ("v_bias", None, (kv,))]
+        return out
+
+    def score(self, acc: Any, layer: Any, i: int, b: AttentionBlock) -> None:
+        """Query head i: ``mean_t ||W_o[:, i] o_ti||`` (a KV group scores the sum of its heads)."""
+        acc.head_norms(layer.self_attention.linear_proj, (i, "heads"), b.head_dim)
+        acc.channels(layer.self_attention.linear_qkv)
+
+    def orders(self, b: AttentionBlock, scores: Scores) -> dict[str, torch.Tensor]:
+        """KV groups by the summed score of their query heads, query heads within a group by their own."""
+        if "heads" not in scores:
+            return {}
+        groups, heads = grouped_order(scores["heads"], b.num_kv_groups)
+        return {"groups": groups, "heads": heads}
+
+    def permute(
+        self, sd: dict[str, torch.Tensor], key: Key, b: AttentionBlock, orders: dict[str, torch.Tensor]
+    ) -> None:
+        if "heads" in orders:
+            check_grouped(key("o"), orders["heads"], orders["groups"], b.num_kv_groups)
+            permute_heads(sd, *(key(r) for r in "qkvo"), orders["heads"], orders["groups"], b.head_dim)
+
+    def megatron_config(self, base: Any, b: AttentionBlock) -> Any:
+        return dataclasses.replace(
+            base, num_attention_heads=b.num_heads, num_query_groups=b.num_kv_groups, kv_channels=b.head_dim
+        )
+
+    def megatron_spec(self, b: AttentionBlock, config: Any, m: dict[str, Any], chunk_size: int) -> Any:
+        from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+        from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+        from megatron.core.transformer.enums import AttnMaskType
+        from megatron.core.transformer.identity_op import IdentityOp
+        from megatron.core.transformer.spec_utils import ModuleSpec
+        from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+        qk = m["qk"] if config.qk_layernorm else IdentityOp
+        attention = ModuleSpec(
+            module=SelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(
+                linear_qkv=m["col"], core_attention=m["core"], linear_proj=m["row"], q_layernorm=qk, k_layernorm=qk
+            ),
+        )
+        return ModuleSpec(
+            module=TransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                input_layernorm=m["norm"], self_attention=attention, self_attn_bda=get_bias_dropout_add
+            ),
+        )
+
+    def shard_problem(self, b: AttentionBlock, tp: int, ep: int, etp: int) -> str | None:
+        if b.num_heads % tp or b.num_kv_groups % tp:
+            return f"{b.num_heads} heads / {b.num_kv_groups} KV groups vs TP={tp}"
+        return None
+
+    def params(self, b: AttentionBlock, hidden: int, active: bool = False) -> int:
+        """Q, K, V, O projections and the input norm, no biases: ``2*h*H*d + 2*h*G*d + h``."""
+        return hidden * b.num_heads * b.head_dim * 2 + 2 * hidden * b.num_kv_groups * b.head_dim + hidden
+
+    def kv_bytes_per_token(self, b: AttentionBlock, dtype_bytes: float) -> float:
+        """K and V: ``2*G*d*bytes``."""
+        return 2 * b.num_kv_groups * b.head_dim * dtype_bytes
+
+    def activation_width(self, b: AttentionBlock, hidden: int) -> int:
+        return (b.num_heads + 2 * b.num_kv_groups) * b.head_dim
+
+    def size(self, b: AttentionBlock) -> int:
+        return b.num_heads * 1000 + b.num_kv_groups
+
+    def interpolate(self, b: AttentionBlock, entries: list[tuple[Any, float]]) -> float | None:
+        """``a + c*H + e*G`` by least squares over the profiled options of the same head size (>= 3)."""
+        rows = [(1.0, eb.num_heads, eb.num_kv_groups, v) for eb, v in entries if eb.head_dim == b.head_dim]
+        if len(rows) < 3:
+            return None
+        a = np.array([r[:3] for r in rows])
+        coef, *_ = np.linalg.lstsq(a, np.array([r[3] for r in rows]), rcond=None)
+        return float(coef @ np.array([1.0, b.num_heads, b.num_kv_groups]))

@@ -4,8 +4,10 @@ A kind (``attention``, ``mlp``, ``moe``, ``mamba``) owns, for its blocks: the se
 engine's capabilities allow (``decisions``), how a chosen option goes back into the block
 (``merge``), the supernet's keep-masks over the sorted parent (``masks``), the importance an option
 keeps (``kept_importance``), its widths for a uniform (Minitron++) shape (``widths``), a one-line
-description (``describe``), the prefix rule a child block must obey (``prefix_problem``) and how
-each of its Hugging Face tensors is sliced from the sorted parent (``slice``). The registry
+description (``describe``), the prefix rule a child block must obey (``prefix_problem``), its
+Hugging Face tensors (``roles``) and how each is sliced from the sorted parent (``slice``), its
+importance hooks on the Megatron layer (``score``), the orders that sort its scores (``orders``) and
+their application to its tensors (``permute``, ``sort_scores``). The registry
 (``blocks/__init__.py``) maps kind names and decision kinds to the kind objects; stages and the
 search loop over blocks and ask it, with no per-kind switch of their own.
 """
@@ -13,12 +15,26 @@ search loop over blocks and ask it, with no per-kind switch of their own.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, Block
+
+if TYPE_CHECKING:
+    from autocompress_nemo.rank.hooks import Accumulator
+
+Role = tuple[str, int | None, tuple[int, ...]]
+"""``(role, routed expert or None, shape)`` of one Hugging Face tensor of a block (``models/hybrid/names``)."""
+Scores = dict[str, torch.Tensor]
+"""One block's rank scores by name (``heads``, ``ffn``, ``experts``, ``expert_ffn``, ...)."""
+MaskSite = tuple[Any, str, int, int, bool]
+"""``(module, mask name, unit, size, tp_sharded)``: the supernet multiplies ``module``'s input by the
+mask ``name`` (one entry per ``unit`` channels, ``size`` units; split over TP ranks when sharded)."""
+Key = Callable[..., str]
+"""``key(role, expert=None)``: the Hugging Face name of one of the block's tensors."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +95,10 @@ class Kind(ABC):
         """``{mask name: [K, D]}`` keep-indicators of every option over the sorted parent dimension."""
 
     @abstractmethod
+    def mask_sites(self, d: Decision, layer: Any, parent_block: Any) -> list[MaskSite]:
+        """Where the supernet applies ``d``'s masks on the block's Megatron ``layer``."""
+
+    @abstractmethod
     def kept_importance(self, d: Decision, option: Any, scores: Any) -> float:
         """The summed sorted-parent scores ``option`` keeps (``scores``: the block's rank scores)."""
 
@@ -94,6 +114,74 @@ class Kind(ABC):
     def prefix_problem(self, parent_block: Any, child_block: Any) -> str | None:
         """Why ``child_block`` is not a prefix of ``parent_block`` (None: it is)."""
 
+    @abstractmethod
+    def roles(self, spec: ArchSpec, block: Any) -> list[Role]:
+        """The block's Hugging Face tensors after its ``norm`` (``role``, expert, shape)."""
+
+    @abstractmethod
+    def score(self, acc: Accumulator, layer: Any, i: int, block: Any) -> None:
+        """Register block ``i``'s importance hooks on its Megatron ``layer`` (sums keyed ``(i, name)``,
+        the hidden channels its normalized input reads under ``"hidden"``)."""
+
+    @abstractmethod
+    def orders(self, block: Any, scores: Scores) -> dict[str, torch.Tensor]:
+        """``{name: new -> old order}`` sorting every scored dimension, most important first."""
+
+    @abstractmethod
+    def permute(self, sd: dict[str, torch.Tensor], key: Key, block: Any, orders: dict[str, torch.Tensor]) -> None:
+        """Apply ``orders`` to the block's tensors in ``sd`` (in place; the function is unchanged)."""
+
+    # -- Megatron (HybridModel: one layer per block; imports are lazy, Megatron loads on first use) --
+    @abstractmethod
+    def megatron_config(self, base: Any, block: Any) -> Any:
+        """``base`` (a ``TransformerConfig``) with the fields of this block."""
+
+    @abstractmethod
+    def megatron_spec(self, block: Any, config: Any, modules: dict[str, Any], chunk_size: int) -> Any:
+        """The block's Megatron layer spec (``modules``: the local or Transformer Engine building blocks)."""
+
+    @abstractmethod
+    def shard_problem(self, block: Any, tp: int, ep: int, etp: int) -> str | None:
+        """Why the block cannot be split at these parallel sizes (None: it can)."""
+
+    # -- counts (formulas in each kind's docstrings; a removed block is never asked) --------------
+    @abstractmethod
+    def params(self, block: Any, hidden: int, active: bool = False) -> int:
+        """Parameters of the block, its input norm included (``active``: those one token touches)."""
+
+    def small_params(self, block: Any, hidden: int) -> int:
+        """Parameters GGUF writers keep in F32 (norms, per-head scalars): the input norm ``h``."""
+        return hidden
+
+    def kv_bytes_per_token(self, block: Any, dtype_bytes: float) -> float:
+        """KV cache per token of context (attention only)."""
+        return 0.0
+
+    def state_elements(self, block: Any, conv_extra: int = 0) -> int:
+        """Recurrent state per sequence, constant in context (Mamba only); ``conv_extra`` conv-state
+        columns an engine keeps beyond the ``K-1`` past inputs."""
+        return 0
+
+    @abstractmethod
+    def activation_width(self, block: Any, hidden: int) -> int:
+        """The widest activation of one token through the block (an uncalibrated workspace estimate)."""
+
+    def size(self, block: Any) -> int:
+        """Orders a kind's options by size (the nearest wider profiled option stands in for an unprofiled one)."""
+        return 0
+
+    def parts(self, block: Any) -> tuple[Any, ...]:
+        """The additively costed parts the cost table profiles separately (default: the block itself)."""
+        return (block,)
+
+    def interpolate(self, block: Any, entries: list[tuple[Any, float]]) -> float | None:
+        """A cost of an unprofiled ``block`` from its kind's profiled ``(block, cost)`` entries, or None."""
+        return None
+
+    def sort_scores(self, scores: Scores, orders: dict[str, torch.Tensor]) -> Scores:
+        """The scores in sorted order (a score and its order share a name)."""
+        return {n: v[orders[n]] if n in orders else v for n, v in scores.items()}
+
     def slice(
         self, parent_block: Any, child_block: Any, role: str, t: torch.Tensor, shape: tuple[int, ...]
     ) -> torch.Tensor:
@@ -102,15 +190,20 @@ class Kind(ABC):
         return t[tuple(slice(0, n) for n in shape)]
 
 
+def ffn_params(hidden: int, ffn: int, gated: bool) -> int:
+    """One feed-forward network without norm: ``(3 if gated else 2) * h * F``."""
+    return (3 if gated else 2) * hidden * ffn
+
+
 def prefix_rows(n: int, keep: list[int]) -> torch.Tensor:
     """``[K, n]`` indicators of the first ``keep[k]`` of ``n`` sorted units."""
     j = torch.arange(n)
     return torch.stack([(j < k).float() for k in keep])
 
 
-def need(scores: Any, name: str, d: Decision) -> Any:
-    """``scores.<name>``, or a clear error when the rank artifact lacks it (an older build wrote it)."""
-    v = getattr(scores, name, None)
+def need(scores: Scores, name: str, d: Decision) -> torch.Tensor:
+    """``scores[name]``, or a clear error when the rank artifact lacks it (an older build wrote it)."""
+    v = scores.get(name)
     if v is None:
         raise ValueError(
             f"block {d.block_index} ({d.kind} decision): the rank artifact has no {name!r} "

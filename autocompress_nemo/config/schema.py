@@ -64,7 +64,7 @@ class BudgetConstraint:
     value: Any = MISSING
     """A number in the metric's unit, a string ``"0.6x"`` relative to the parent measured the
     same way, or a number with a unit (``"12GB"``, ``"40ms"``, ``"50tok/s"``, ``"74B"`` params).
-    Parsed by ``config/resolve.py::parse_budget``; use that (or ``budget_limit``), not ``float()``."""
+    Parsed by ``config/resolve.py::parse_budget``; use that, not ``float()``."""
 
 
 @dataclass

@@ -18,13 +18,9 @@ from __future__ import annotations
 
 import math
 
-from autocompress_nemo.arch.counts import (
-    block_params,
-    kv_bytes_per_token,
-    mamba_conv_dim,
-    ssm_state_bytes_per_sequence,
-)
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.arch.counts import block_params, kv_bytes_per_token, state_elements
+from autocompress_nemo.arch.spec import ArchSpec, Block
+from autocompress_nemo.blocks import kind_of
 
 # (elements per block, bytes per block) of GGML storage types (as ggml-common.h defines them)
 GGML_BLOCK: dict[str, tuple[int, int]] = {
@@ -66,11 +62,7 @@ def small_params(b: Block, hidden: int) -> int:
     attention / mlp / moe: ``h`` (input norm); mamba: ``h + Hm*Pm (gated norm) + 3*Hm
     (dt_bias, A_log, D) + conv_dim (conv bias)``. 0 when removed.
     """
-    if b.removed:
-        return 0
-    if isinstance(b, MambaBlock):
-        return hidden + b.d_inner + 3 * b.num_heads + mamba_conv_dim(b)
-    return hidden
+    return 0 if b.removed else kind_of(b).small_params(b, hidden)
 
 
 def block_weight_bytes(b: Block, hidden: int, dtype: str, norm_dtype: str = "f32", active: bool = False) -> float:
@@ -100,9 +92,7 @@ def weight_bytes(spec: ArchSpec, dtype: str, norm_dtype: str = "f32") -> float:
 
 def block_kv_bytes(b: Block, context: int, batch: int, kv_dtype: str) -> float:
     """KV cache of one attention block at full context: ``2 * G * d * C * B * b(kv)`` (K and V); else 0."""
-    if not isinstance(b, AttentionBlock) or b.removed:
-        return 0.0
-    return 2 * b.num_kv_groups * b.head_dim * context * batch * bytes_per_element(kv_dtype)
+    return 0.0 if b.removed else kind_of(b).kv_bytes_per_token(b, bytes_per_element(kv_dtype)) * context * batch
 
 
 def kv_cache_bytes(spec: ArchSpec, context: int, batch: int, kv_dtype: str) -> float:
@@ -115,27 +105,18 @@ def block_state_bytes(b: Block, batch: int, state_dtype: str, conv_extra: int = 
     ``(Hm*Pm*N + conv_dim*(K-1+e)) * B * b(state)``; 0 for other kinds. ``e`` (``conv_extra``):
     conv-state columns an engine keeps beyond the ``K-1`` past inputs (llama.cpp 0; transformers
     and mamba-ssm keep ``K``, ``e = 1``; calibrated by the profiler as ``memory.conv_extra``)."""
-    if not isinstance(b, MambaBlock) or b.removed:
-        return 0.0
-    return (
-        (b.num_heads * b.head_dim * b.state_size + mamba_conv_dim(b) * (b.conv_kernel - 1 + conv_extra))
-        * batch
-        * bytes_per_element(state_dtype)
-    )
+    return 0.0 if b.removed else kind_of(b).state_elements(b, conv_extra) * batch * bytes_per_element(state_dtype)
 
 
 def ssm_state_bytes(spec: ArchSpec, batch: int, state_dtype: str, conv_extra: int = 0) -> float:
     """All Mamba state: ``ssm_state_bytes_per_sequence(spec) * B`` (+ ``conv_dim * e * B`` per block)."""
-    extra = sum(mamba_conv_dim(b) for b in spec.blocks if isinstance(b, MambaBlock) and not b.removed) * conv_extra
-    return (
-        ssm_state_bytes_per_sequence(spec, bytes_per_element(state_dtype)) + extra * bytes_per_element(state_dtype)
-    ) * batch
+    return state_elements(spec, conv_extra) * batch * bytes_per_element(state_dtype)
 
 
 def conv_extra_columns(spec: ArchSpec, batch: int, state_dtype: str, measured_state: float) -> int:
     """The ``conv_extra`` that explains an engine's measured state bytes of ``spec``:
     ``round((S - ssm_state_bytes(e=0)) / (sum conv_dim * B * b))``; 0 without Mamba blocks."""
-    conv = sum(mamba_conv_dim(b) for b in spec.blocks if isinstance(b, MambaBlock) and not b.removed)
+    conv = state_elements(spec, 1) - state_elements(spec, 0)  # conv channels summed over Mamba blocks
     if not conv or measured_state <= 0:
         return 0
     return int(
@@ -177,14 +158,5 @@ def workspace_estimate(spec: ArchSpec, tokens: int, bytes_act: int = 4) -> float
     engine reported its workspace, e.g. roofline planning):
     ``tokens * max(V, 2*F_max + h, H_max*d + 2*G_max*d) * b(act)``.
     The logits ``tokens x V`` usually dominate (llama.cpp reserves for ``n_ubatch`` outputs)."""
-    widths = [spec.vocab]
-    for b in spec.blocks:
-        if isinstance(b, MlpBlock):
-            widths.append(2 * b.ffn + spec.hidden)
-        elif isinstance(b, MoeBlock):
-            widths.append(2 * max(b.expert_ffn, b.shared_ffn) + spec.hidden)
-        elif isinstance(b, AttentionBlock):
-            widths.append((b.num_heads + 2 * b.num_kv_groups) * b.head_dim)
-        elif isinstance(b, MambaBlock):
-            widths.append(2 * b.d_inner + 2 * b.num_groups * b.state_size)
+    widths = [spec.vocab] + [kind_of(b).activation_width(b, spec.hidden) for b in spec.blocks if not b.removed]
     return float(tokens * max(widths) * bytes_act)

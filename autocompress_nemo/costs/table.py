@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MlpBlock, MoeBlock, block_from_dict
+from autocompress_nemo.arch.spec import ArchSpec, Block, block_from_dict
+from autocompress_nemo.blocks import kind_of
 from autocompress_nemo.utils.artifacts import hash_obj, write_json_atomic
 
 ESTIMATED_LABEL = "estimated, not measured"
@@ -151,9 +150,10 @@ class CostTable:
     def block_latency(self, b: Block, phase: str) -> float:
         """Additive latency (ms) of block ``b`` in ``phase`` (prefill_ms or decode_ms); 0 when removed.
 
-        Exact lookup when the option was profiled; otherwise mlp widths interpolate
-        piecewise-linearly in ``F`` between profiled widths (matmul time is linear in F), and
-        attention fits ``a + b*H + c*G`` by least squares over the profiled options.
+        Exact lookup when the option was profiled; a block of separately profiled parts (MoE: routed
+        + shared) is the sum of its parts; otherwise its kind interpolates from the profiled options
+        (``Kind.interpolate``: mlp piecewise-linear in ``F``, attention ``a + b*H + c*G`` by least
+        squares).
         """
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}; one of {PHASES}")
@@ -170,31 +170,13 @@ class CostTable:
         for eb, e in entries:
             if _block_key(eb) == key:
                 return float(e[phase])
-        if isinstance(b, MlpBlock):
-            pts = sorted(
-                (eb.ffn, float(e[phase]))
-                for eb, e in entries
-                if isinstance(eb, MlpBlock) and eb.activation == b.activation
-            )
-            if len(pts) >= 2:
-                xs, ys = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts])
-                if b.ffn < xs[0] or b.ffn > xs[-1]:  # linear extrapolation from the nearest two
-                    i = 0 if b.ffn < xs[0] else len(xs) - 2
-                    return float(ys[i] + (ys[i + 1] - ys[i]) * (b.ffn - xs[i]) / (xs[i + 1] - xs[i]))
-                return float(np.interp(b.ffn, xs, ys))
-        if isinstance(b, AttentionBlock):
-            rows = [
-                (1.0, eb.num_heads, eb.num_kv_groups, float(e[phase]))
-                for eb, e in entries
-                if isinstance(eb, AttentionBlock) and eb.head_dim == b.head_dim
-            ]
-            if len(rows) >= 3:
-                a = np.array([r[:3] for r in rows])
-                coef, *_ = np.linalg.lstsq(a, np.array([r[3] for r in rows]), rcond=None)
-                return float(coef @ np.array([1.0, b.num_heads, b.num_kv_groups]))
-        if isinstance(b, MoeBlock) and b not in moe_parts(b):
-            # an MoE block = routed part + shared part, profiled separately (separate kernels)
-            return sum(self.block_latency(p, phase) for p in moe_parts(b))
+        kind = kind_of(b)
+        parts = kind.parts(b)
+        if b not in parts:  # e.g. an MoE block = routed part + shared part, profiled separately
+            return sum(self.block_latency(p, phase) for p in parts)
+        est = kind.interpolate(b, [(eb, float(e[phase])) for eb, e in entries])
+        if est is not None:
+            return est
         raise KeyError(
             f"cost table has no entry for {b} and cannot interpolate it; "
             f"profiled {b.kind} options: {[eb for eb, _ in entries]}"
@@ -215,31 +197,11 @@ class CostTable:
                 continue
             same = [v for pb, v in per if pb == b]
             if not same:
-                wider = [(_width(pb), v) for pb, v in per if pb.kind == b.kind and _width(pb) >= _width(b)]
+                size = kind_of(b).size
+                wider = [(size(pb), v) for pb, v in per if pb.kind == b.kind and size(pb) >= size(b)]
                 same = [min(wider)[1]] if wider else [max((v for pb, v in per if pb.kind == b.kind), default=0.0)]
             best = max(best, same[0])
         return best
-
-
-def moe_parts(b: MoeBlock) -> tuple[MoeBlock, MoeBlock]:
-    """The two additive parts of an MoE block, each an ``MoeBlock`` in canonical form:
-    routed (router, routed experts, latent projections; ``shared_ffn = 0``) and shared
-    (``num_experts = expert_ffn = top_k = latent = 0``). Latency of the block = the sum of the
-    parts' latencies (they run as separate kernels); a removed part is removed (costs 0)."""
-    routed = (
-        MoeBlock(b.num_experts, b.expert_ffn, b.top_k, 0, b.latent, b.activation)
-        if b.num_experts and b.expert_ffn
-        else MoeBlock(0, 0, 0, 0, 0, b.activation)
-    )
-    return routed, MoeBlock(0, 0, 0, b.shared_ffn, 0, b.activation)
-
-
-def _width(b: Block) -> int:
-    if isinstance(b, MlpBlock):
-        return b.ffn
-    if isinstance(b, AttentionBlock):
-        return b.num_heads * 1000 + b.num_kv_groups
-    return 0
 
 
 MEASURED_SETTINGS = ("n_batch", "n_ubatch", "decode_context", "max_num_tokens", "max_num_batched_tokens")

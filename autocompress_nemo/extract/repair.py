@@ -35,12 +35,10 @@ Predict = Callable[[ArchSpec], dict[str, float]]
 def option_importance(decisions: list[Decision], sorted_imp: Any) -> list[list[float]]:
     """Summed sorted-parent scores kept by every option of every decision (a removed option keeps 0;
     what an option keeps: its block kind's ``kept_importance``, ``blocks/``). ``sorted_imp``: the
-    rank stage's sorted scores (``rank.importance.Importance`` per layer or
-    ``rank.moe_mamba.MoeMambaImportance`` per block)."""
-    per_block = hasattr(sorted_imp, "blocks")
+    rank stage's sorted scores (``rank.importance.Importance``)."""
     out = []
     for d in decisions:
-        s = sorted_imp.blocks[d.block_index] if per_block else sorted_imp.layers[d.block_index // 2]
+        s = sorted_imp.blocks[d.block_index]
         k = kind_of(d)
         out.append([0.0 if o.removed else k.kept_importance(d, o, s) for o in d.options])
     return out

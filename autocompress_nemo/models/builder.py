@@ -299,8 +299,8 @@ def build_model(
 
 
 def _family_flags(spec: ArchSpec, qk_layernorm: bool | None, qkv_bias: bool | None) -> tuple[bool, bool]:
-    qk = spec.extra.get("qk_layernorm", spec.family == "qwen3") if qk_layernorm is None else qk_layernorm
-    bias = spec.extra.get("qkv_bias", spec.family == "qwen2") if qkv_bias is None else qkv_bias
+    qk = spec.qk_norm if qk_layernorm is None else qk_layernorm
+    bias = spec.qkv_bias if qkv_bias is None else qkv_bias
     return bool(qk), bool(bias)
 
 

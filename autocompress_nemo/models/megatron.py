@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.models import compat_cpu
@@ -138,3 +139,24 @@ def forward_logits(model: Any, input_ids_BT: torch.Tensor) -> torch.Tensor:
     if spec is not None and logits_BTV.shape[-1] != spec.vocab:
         logits_BTV = logits_BTV[..., : spec.vocab]
     return logits_BTV.float()
+
+
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)² (Nemotron-H's ``relu2``), eager: Megatron's copy is ``torch.compile``'d, which on
+    CPU costs tens of seconds of C++ compilation on the first call."""
+    return torch.square(F.relu(x))
+
+
+def activation(name: str) -> tuple[Any, bool]:
+    """``(activation_func, gated_linear_unit)`` of an ArchSpec activation name."""
+    if name == "swiglu":
+        return F.silu, True
+    if name == "relu2":
+        if torch.cuda.is_available():
+            from megatron.core.activations import squared_relu as compiled_squared_relu
+
+            return compiled_squared_relu, False
+        return squared_relu, False
+    if name == "gelu":
+        return F.gelu, False
+    raise ValueError(f"unknown activation {name!r}")

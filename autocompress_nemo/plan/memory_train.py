@@ -20,8 +20,9 @@ optimizer: ``6 + 12 / dp`` (the same accounting as Megatron-LM's theoretical mem
 
 from __future__ import annotations
 
-from autocompress_nemo.arch.counts import block_params, ffn_params
+from autocompress_nemo.arch.counts import block_params
 from autocompress_nemo.arch.spec import AttentionBlock, Block, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.blocks.base import ffn_params
 
 BF16 = 2
 FP32 = 4
@@ -40,15 +41,6 @@ def expert_params(b: Block, hidden: int) -> int:
     if isinstance(b, MoeBlock) and not b.removed and b.num_experts:
         return b.num_experts * ffn_params(b.latent or hidden, b.expert_ffn, b.gated)
     return 0
-
-
-def params_per_gpu(dense: int, expert: int, tp: int, ep: int, etp: int) -> float:
-    """Parameters one GPU holds: ``dense / t + expert / (ep * etp)``.
-
-    Dense weights are split by tensor parallelism; routed experts are spread over ``ep``
-    ranks and each expert split ``etp`` ways (Megatron's expert grid).
-    """
-    return dense / tp + expert / (ep * etp)
 
 
 def weight_bytes(params: float, dtype_bytes: float = BF16) -> float:

@@ -1,189 +1,103 @@
-"""Permutations that sort every prunable dimension, most important first, and their
-application to a Hugging Face Llama-named state dict (the interchange format).
-
-Shapes in the HF state dict: ``q_proj [H*d, h]``, ``k_proj``/``v_proj [G*d, h]``,
-``o_proj [h, H*d]``, ``gate_proj``/``up_proj [F, h]``, ``down_proj [h, F]``, norms ``[h]``,
-``embed_tokens``/``lm_head [V, h]``. Query head ``i`` reads KV group ``i // (H/G)``.
-
-Reordering is a change of basis that leaves the function unchanged:
-- heads: KV groups are sorted by the summed score of their query heads, and the query
-  heads inside each group by their own score; Q rows and O columns move with their head,
-  K/V rows with their group (whole heads move, so RoPE's per-head layout is untouched);
-- ffn: gate/up rows and down columns move together;
-- hidden: every column of a matrix that reads the residual stream, every row of one that
-  writes it, the norms' weights and the embeddings move together (RMSNorm is
-  permutation-equivariant).
-
-``grouped_order``, ``permute_heads``, ``permute_neurons`` and ``permute_hidden`` are shared with
-the hybrid / MoE reordering (``reorder_hybrid.py``), which names tensors by ``models/hybrid/names.py``.
+"""Permutations that sort every scored dimension, most important first (each block's kind decides
+its own: ``blocks/<kind>.orders``), and their application to the Hugging Face-named state dict of
+``models/hybrid/names.py`` (every family: Llama, Nemotron-H, Qwen3-MoE). The function computed is
+unchanged (a change of basis, ``rank/permute.py``); the hidden channels move in every tensor that
+reads or writes the residual stream (by role, below), the embeddings and every norm weight.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.blocks import kind_of
+from autocompress_nemo.models.hybrid.names import hf_names
+from autocompress_nemo.models.hybrid.state_dict import block_roles
 from autocompress_nemo.rank.importance import Importance
+from autocompress_nemo.rank.permute import argsort_desc, permute_hidden
+
+READS = {"q", "k", "v", "up", "gate", "in_proj", "router", "shared_up", "shared_gate", "latent_down"}
+"""Roles whose columns read the residual stream (routed experts' ``expert_up`` / ``expert_gate`` too,
+unless a LatentMoE's experts work in its latent space)."""
+WRITES = {"o", "down", "out_proj", "shared_down", "latent_up"}
+"""Roles whose rows write the residual stream (and ``expert_down`` unless latent)."""
 
 
 @dataclass
 class Permutations:
-    hidden: torch.Tensor  # [h] new -> old
-    groups: list[torch.Tensor | None] = field(default_factory=list)  # per layer [G]
-    heads: list[torch.Tensor | None] = field(default_factory=list)  # per layer [H] new -> old query head
-    ffn: list[torch.Tensor | None] = field(default_factory=list)  # per layer [F]
+    """``blocks[i]``: block ``i``'s ``{name: new -> old order}``; ``hidden``: None keeps the channels."""
 
-    def to_dict(self) -> dict:
-        def lst(x: torch.Tensor | None) -> list | None:
-            return None if x is None else x.tolist()
+    blocks: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    hidden: torch.Tensor | None = None
 
+    def to_dict(self) -> dict[str, Any]:
         return {
-            "hidden": self.hidden.tolist(),
-            "groups": [lst(x) for x in self.groups],
-            "heads": [lst(x) for x in self.heads],
-            "ffn": [lst(x) for x in self.ffn],
+            "hidden": None if self.hidden is None else self.hidden.tolist(),
+            "blocks": [{n: v.tolist() for n, v in b.items()} for b in self.blocks],
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> Permutations:
-        def t(x: list | None) -> torch.Tensor | None:
-            return None if x is None else torch.tensor(x, dtype=torch.long)
-
+    def from_dict(cls, d: dict[str, Any]) -> Permutations:
         return cls(
-            hidden=torch.tensor(d["hidden"], dtype=torch.long),
-            groups=[t(x) for x in d["groups"]],
-            heads=[t(x) for x in d["heads"]],
-            ffn=[t(x) for x in d["ffn"]],
+            blocks=[{n: torch.tensor(v, dtype=torch.long) for n, v in b.items()} for b in d["blocks"]],
+            hidden=None if d.get("hidden") is None else torch.tensor(d["hidden"], dtype=torch.long),
         )
-
-
-def _argsort_desc(x: torch.Tensor) -> torch.Tensor:
-    """Stable descending order (ties keep their original order: determinism)."""
-    return torch.argsort(-x.double(), stable=True)
-
-
-def grouped_order(scores: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(group order [G], unit order [G*u])`` (new -> old) of ``scores [G*u]``, units ``g*u .. g*u+u-1``
-    belonging to group ``g``: groups by their summed score, the units inside each group by their
-    own score, so a group's units stay together (attention query heads of a KV group, Mamba heads
-    of a group)."""
-    per_group = scores.view(n_groups, -1)
-    u = per_group.shape[1]
-    groups = _argsort_desc(per_group.sum(dim=1))
-    return groups, torch.cat([g * u + _argsort_desc(per_group[g]) for g in groups.tolist()])
 
 
 def permutations_from_scores(spec: ArchSpec, imp: Importance, sort_hidden: bool = True) -> Permutations:
-    layers = spec.layers()
-    hidden = _argsort_desc(imp.hidden) if sort_hidden else torch.arange(spec.hidden)
-    perms = Permutations(hidden=hidden)
-    for (attn, _mlp), s in zip(layers, imp.layers, strict=True):
-        g_order, head_order = (
-            (None, None) if attn.removed or s.heads is None else grouped_order(s.heads, attn.num_kv_groups)
-        )
-        perms.groups.append(g_order)
-        perms.heads.append(head_order)
-        perms.ffn.append(None if s.ffn is None else _argsort_desc(s.ffn))
-    return perms
+    """Most-important-first orders of every scored dimension (hidden channels only if ``sort_hidden``)."""
+    blocks = [{} if b.removed else kind_of(b).orders(b, s) for b, s in zip(spec.blocks, imp.blocks, strict=True)]
+    hidden = argsort_desc(imp.hidden) if sort_hidden and imp.hidden is not None else None
+    return Permutations(blocks=blocks, hidden=hidden)
 
 
-def _rows(w: torch.Tensor, idx: torch.Tensor, unit: int = 1) -> torch.Tensor:
-    """Select row blocks of size ``unit`` (one head = ``d`` rows) in order ``idx``."""
-    return w.view(-1, unit, *w.shape[1:]).index_select(0, idx).reshape(w.shape)
-
-
-def _cols(w: torch.Tensor, idx: torch.Tensor, unit: int = 1) -> torch.Tensor:
-    return _rows(w.transpose(0, 1), idx, unit).transpose(0, 1).contiguous()
-
-
-def permute_heads(
-    sd: dict[str, torch.Tensor],
-    q: str,
-    k: str,
-    v: str,
-    o: str,
-    heads: torch.Tensor,
-    groups: torch.Tensor,
-    head_dim: int,
-) -> None:
-    """In place: query heads of ``q`` (rows) and ``o`` (columns) in order ``heads``, KV groups of ``k``
-    / ``v`` (rows) in order ``groups``, ``head_dim`` rows / columns per head; biases move along."""
-    for name, idx in ((q, heads), (k, groups), (v, groups)):
-        sd[name] = _rows(sd[name], idx, head_dim)
-        bias = name.removesuffix(".weight") + ".bias"
-        if bias in sd:
-            sd[bias] = _rows(sd[bias], idx, head_dim)
-    sd[o] = _cols(sd[o], heads, head_dim)
-
-
-def permute_hidden(
-    sd: dict[str, torch.Tensor],
-    order: torch.Tensor,
-    reads: Iterable[str] = (),
-    writes: Iterable[str] = (),
-    vectors: Iterable[str] = (),
-) -> None:
-    """In place: hidden channels in ``order`` — columns of the matrices that read the residual
-    stream, rows of those that write it (and their biases), entries of the norm weights."""
-    for name in reads:
-        sd[name] = _cols(sd[name], order)
-    for name in writes:
-        sd[name] = _rows(sd[name], order)
-        bias = name.removesuffix(".weight") + ".bias"
-        if bias in sd:
-            sd[bias] = sd[bias][order]
-    for name in vectors:
-        sd[name] = sd[name][order]
+def _hidden_roles(spec: ArchSpec) -> tuple[list[str], list[str], list[str]]:
+    names = hf_names(spec)
+    reads, writes, vectors = [names.embed, names.lm_head], [], [names.final_norm]
+    for i, b in enumerate(spec.blocks):
+        latent = bool(getattr(b, "latent", 0))
+        for role, e, _ in block_roles(spec, b):
+            key = names.key(i, role, e)
+            if role == "norm":
+                vectors.append(key)
+            elif role in READS or (role in ("expert_up", "expert_gate") and not latent):
+                reads.append(key)
+            elif role in WRITES or (role == "expert_down" and not latent):
+                writes.append(key)
+    return reads, writes, vectors
 
 
 def apply_permutations(spec: ArchSpec, sd: dict[str, torch.Tensor], p: Permutations) -> dict[str, torch.Tensor]:
-    """A new state dict with every dimension reordered; the function computed is unchanged."""
-    out = dict(sd)
-    reads: list[str] = [n for n in ("model.embed_tokens.weight", "lm_head.weight") if n in out]
-    writes: list[str] = []
-    vectors = ["model.norm.weight"]
-    for li, (attn, mlp) in enumerate(spec.layers()):
-        pre = f"model.layers.{li}."
-        if not attn.removed:
-            q, k, v, o = (pre + f"self_attn.{n}_proj.weight" for n in "qkvo")
-            if p.heads[li] is not None:
-                permute_heads(out, q, k, v, o, p.heads[li], p.groups[li], attn.head_dim)  # type: ignore[arg-type]
-            reads += [q, k, v]
-            writes.append(o)
-            vectors.append(pre + "input_layernorm.weight")
-        if not mlp.removed:
-            g, u, dn = (pre + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down"))
-            if p.ffn[li] is not None:
-                permute_neurons(out, [n for n in (g, u) if n in out], dn, p.ffn[li])  # type: ignore[arg-type]
-            reads += [n for n in (g, u) if n in out]
-            writes.append(dn)
-            vectors.append(pre + "post_attention_layernorm.weight")
-    permute_hidden(out, p.hidden, reads, writes, vectors)
+    """A new state dict with every dimension of ``p`` reordered; the function computed is unchanged."""
+    out, names = dict(sd), hf_names(spec)
+
+    def key_of(i: int) -> Callable[..., str]:
+        def key(role: str, expert: int | None = None) -> str:
+            try:
+                return names.key(i, role, expert)
+            except KeyError:  # a role this family does not have (no tensor of that name in ``sd``)
+                return f"<block {i} has no {role}>"
+
+        return key
+
+    for i, (b, orders) in enumerate(zip(spec.blocks, p.blocks, strict=True)):
+        if orders and not b.removed:
+            kind_of(b).permute(out, key_of(i), b, orders)
+    if p.hidden is not None:
+        reads, writes, vectors = _hidden_roles(spec)
+        permute_hidden(out, p.hidden, [k for k in reads if k in out], writes, vectors)
     return out
 
 
-def permute_neurons(sd: dict[str, torch.Tensor], ups: Iterable[str], down: str, order: torch.Tensor) -> None:
-    """In place: ffn neurons in ``order`` — rows of the up (gate) matrices, columns of ``down``."""
-    for name in ups:
-        sd[name] = sd[name].index_select(0, order)
-    sd[down] = _cols(sd[down], order)
-
-
-def sorted_importance(imp: Importance, p: Permutations) -> Importance:
-    """The scores in the sorted order (descending along every dimension)."""
-    from autocompress_nemo.rank.importance import LayerScores
-
-    layers = []
-    for li, s in enumerate(imp.layers):
-        layers.append(
-            LayerScores(
-                heads=None if s.heads is None else s.heads[p.heads[li]],
-                ffn=None if s.ffn is None else s.ffn[p.ffn[li]],
-                attn_block=s.attn_block,
-                mlp_block=s.mlp_block,
-            )
-        )
-    return Importance(hidden=imp.hidden[p.hidden], layers=layers, tokens=imp.tokens)
+def sorted_importance(spec: ArchSpec, imp: Importance, p: Permutations) -> Importance:
+    """The scores in the sorted order (descending along every dimension; heads per group, groups by their sum)."""
+    blocks = [
+        s if b.removed else kind_of(b).sort_scores(s, o)
+        for b, s, o in zip(spec.blocks, imp.blocks, p.blocks, strict=True)
+    ]
+    hidden = imp.hidden if imp.hidden is None or p.hidden is None else imp.hidden[p.hidden]
+    return Importance(blocks=blocks, hidden=hidden, tokens=imp.tokens)

@@ -2,7 +2,7 @@
 and the two-sided resource penalty.
 
 Penalty per budget ``b`` on the expected cost ``c`` (costs where smaller is better; a
-throughput budget is turned into its per-step time first, see ``cost_budget``):
+throughput budget is turned into its per-step time first):
 
     over  = relu(c / b - 1)                  -> w_over  * (over + over**2)   (strong)
     under = relu((1 - slack) - c / b)        -> w_under * under               (mild)
@@ -18,29 +18,6 @@ import math
 import torch
 
 from autocompress_nemo.search.space import Decision
-
-LOWER_IS_BETTER = {
-    "response_latency_ms",
-    "ttft_ms",
-    "tpot_ms",
-    "prefill_ms",
-    "decode_ms",
-    "memory_bytes",
-    "params",
-}
-
-
-def cost_budget(metric: str, value: float, batch: int) -> tuple[str, float]:
-    """Express a budget as an upper bound on a cost.
-
-    ``throughput_tps >= T`` at batch ``b`` is ``decode_ms <= 1000 * b / T`` (each decode step
-    emits ``b`` tokens); every other metric is already a cost.
-    """
-    if metric == "throughput_tps":
-        return "decode_ms", 1000.0 * batch / value
-    if metric not in LOWER_IS_BETTER:
-        raise ValueError(f"unknown budget metric {metric!r}; known: {sorted(LOWER_IS_BETTER | {'throughput_tps'})}")
-    return metric, value
 
 
 def two_sided_penalty(cost: torch.Tensor, budget: float, w_over: float, w_under: float, slack: float) -> torch.Tensor:

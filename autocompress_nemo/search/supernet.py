@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from autocompress_nemo.arch.spec import ArchSpec, MoeBlock
+from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.blocks import Decision, kind_of
 from autocompress_nemo.distributed.state import tensor_parallel
 from autocompress_nemo.models.megatron import block_layers
@@ -94,16 +94,12 @@ class Supernet:
             if bi not in layers:
                 continue  # another pipeline stage
             layer = layers[bi]
-            if d.kind == "attention":
-                self._hook(layer.self_attention.linear_proj, (bi, "out"), pb.head_dim, pb.num_heads, tp_rank, tp_world)  # type: ignore[union-attr]
-            elif d.kind == "mlp":
-                self._hook(layer.mlp.linear_fc2, (bi, "out"), 1, pb.ffn, tp_rank, tp_world)  # type: ignore[union-attr]
-            elif d.kind == "mamba":
-                self._hook(layer.mixer.out_proj, (bi, "out"), pb.head_dim, pb.num_heads, tp_rank, tp_world)  # type: ignore[union-attr]
-            elif d.kind == "moe_shared":
-                self._hook(layer.mlp.shared_experts.linear_fc2, (bi, "shared"), 1, pb.shared_ffn, tp_rank, tp_world)  # type: ignore[union-attr]
-            elif d.kind == "moe_routed":
-                self._install_routed(layer, bi, pb, [int(k) for k in om["topk_values"][0].tolist()])  # type: ignore[arg-type]
+            if "topk_values" in om:
+                self._check_routed(layer, bi)
+            for mod, name, unit, size, sharded in kind_of(d).mask_sites(d, layer, pb):
+                self._hook(mod, (bi, name), unit, size, *((tp_rank, tp_world) if sharded else (0, 1)))
+            if "topk_values" in om:
+                self._install_router(layer, bi, [int(k) for k in om["topk_values"][0].tolist()])
 
     # -- hooks --------------------------------------------------------------------------
     def _hook(self, mod: torch.nn.Module, key: tuple[int, str], unit: int, size: int, rank: int, world: int) -> None:
@@ -121,7 +117,8 @@ class Supernet:
 
         self._handles.append(mod.register_forward_pre_hook(hook))
 
-    def _install_routed(self, layer: Any, bi: int, pb: MoeBlock, ks: list[int]) -> None:
+    @staticmethod
+    def _check_routed(layer: Any, bi: int) -> None:
         cfg = layer.mlp.config
         if cfg.moe_router_group_topk or cfg.moe_expert_capacity_factor is not None:
             raise ValueError(
@@ -130,8 +127,8 @@ class Supernet:
             )
         if getattr(cfg, "expert_tensor_parallel_size", 1) not in (None, 1):
             raise ValueError(f"block {bi}: routed-expert decisions do not support expert tensor parallelism")
-        for expert in layer.mlp.experts.local_experts:
-            self._hook(expert.linear_fc2, (bi, "expert_ffn"), 1, pb.expert_ffn, 0, 1)
+
+    def _install_router(self, layer: Any, bi: int, ks: list[int]) -> None:
         router = layer.mlp.router
         self._topk[bi] = ks
         original = type(router).routing

@@ -44,26 +44,13 @@ def run(
 ) -> None:
     """Choose the architecture (``arch.json``) with the router or the Minitron++ enumeration."""
     from autocompress_nemo.extract.repair import option_importance
+    from autocompress_nemo.rank.importance import Importance
 
     spec, sd = load_weights(rank.dir)
-    if spec.is_dense_layered():
-        from autocompress_nemo.rank.importance import Importance
-        from autocompress_nemo.rank.reorder import Permutations, sorted_importance
+    imp = Importance.from_dict(read_json(rank.sorted_scores))
 
-        imp = sorted_importance(
-            Importance.from_dict(read_json(rank.scores)), Permutations.from_dict(read_json(rank.permutations))
-        )
-
-        def importance(ds: list) -> list[list[float]]:
-            return option_importance(ds, imp)
-
-    else:  # MoE / Mamba hybrids: the summed sorted scores each option keeps
-        from autocompress_nemo.rank.moe_mamba import MoeMambaImportance
-
-        himp = MoeMambaImportance.from_dict(read_json(rank.sorted_scores))
-
-        def importance(ds: list) -> list[list[float]]:
-            return option_importance(ds, himp)
+    def importance(ds: list) -> list[list[float]]:
+        return option_importance(ds, imp)
 
     search_core(ctx, out, method, spec, sd, importance, profile.table, validation, ckpt_dir, describe=describe)
 

@@ -21,7 +21,7 @@ context, ``P_b`` a block's active parameters, ``b_w`` / ``b_kv`` bytes per weigh
   ``2 * G * d * B * C * b_kv`` + Mamba state read and written ``2 * state``.
 - Mamba-2 adds the recurrence ``4 * Hm * Pm * N`` FLOPs per token (state update ``h = a*h + B x``
   and read-out ``C h``; the chunked scan's intra-chunk work is not counted).
-- MoE blocks are priced as two parts (``costs.table.moe_parts``: routed, shared), each its own
+- MoE blocks are priced as two parts (``blocks/moe.moe_parts``: routed, shared), each its own
   roofline ``max``, as they run as separate kernels (``analytic_table``).
 - outside the blocks: LM head ``2 * V * h * B`` FLOPs and ``V * h * b_w`` bytes per step.
 """
@@ -133,14 +133,15 @@ class RooflineEngine(Engine):
 def analytic_table(engine: RooflineEngine, parent: ArchSpec, workload: Workload, options: list[Block]) -> Any:
     """A cost table straight from the analytic model (no profiling runs: the roofline is additive by
     construction): one entry per distinct block option among ``options`` and the parent's blocks,
-    MoE blocks as their two parts (``table.moe_parts``). Intercept = the LM head; no per-layer
+    MoE blocks as their two parts (``blocks/moe.moe_parts``). Intercept = the LM head; no per-layer
     overhead; workspace = ``memory.workspace_estimate`` at the prefill tokens (a constant).
     Provenance says ``estimated: true`` and the label "estimated, not measured"."""
-    from autocompress_nemo.costs.table import CostTable, expected_settings, make_provenance, moe_parts
+    from autocompress_nemo.blocks import kind_of
+    from autocompress_nemo.costs.table import CostTable, expected_settings, make_provenance
 
     seen: dict[Block, dict[str, Any]] = {}
     for b in [*options, *parent.blocks]:
-        for p in moe_parts(b) if isinstance(b, MoeBlock) else (b,):
+        for p in kind_of(b).parts(b):
             if p.removed or p in seen:
                 continue
             pf, dc = engine.block_ms(p, parent.hidden, workload)

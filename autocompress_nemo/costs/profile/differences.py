@@ -7,7 +7,7 @@ Spread, not appended: a block run back to back with copies of itself is measurab
 a CPU (hot code paths and caches) than the same block between blocks of other kinds, as it
 runs in the models being predicted.
 
-MoE blocks are two additive parts (``table.moe_parts``). The routed part ``R`` is profiled as a
+MoE blocks are two additive parts (``blocks/moe.moe_parts``). The routed part ``R`` is profiled as a
 MoE block without shared expert; a shared width ``S`` as the parent's routed part with shared
 width ``S``, its cost being ``c(R_p + S) - c(R_p)`` — so a block's norm / residual overhead is
 counted once, in the routed part. (A block with no routed experts left is then priced without
@@ -24,9 +24,11 @@ from collections.abc import Callable
 from typing import Any
 
 from autocompress_nemo.arch.spec import ArchSpec, MoeBlock
+from autocompress_nemo.blocks import kind_of
+from autocompress_nemo.blocks.moe import moe_parts
 from autocompress_nemo.costs.engines.base import Engine, Workload
 from autocompress_nemo.costs.profile.provenance import progress, run_row
-from autocompress_nemo.costs.table import PHASES, moe_parts, spec_hash
+from autocompress_nemo.costs.table import PHASES, spec_hash
 
 
 def spread_copies(blocks: tuple[Any, ...], x: Any, k: int) -> tuple[Any, ...]:
@@ -97,7 +99,7 @@ def hybrid_differences(
     def parent_block_cost(b: Any, p: str) -> float:
         if b.removed:
             return 0.0
-        return sum(costs[q][p] for q in moe_parts(b) if not q.removed) if isinstance(b, MoeBlock) else costs[b][p]
+        return sum(costs[q][p] for q in kind_of(b).parts(b) if not q.removed)
 
     intercept = {p: getattr(base, p) - sum(parent_block_cost(b, p) for b in parent.blocks) for p in PHASES}
     runs = [

@@ -10,7 +10,7 @@ Model (the predictor's own decomposition, ``CostTable.block_latency``), per phas
     T_i = c_0 + sum_j n_ij x_j + e_i
 
 ``T_i``: measured time of profiling model ``i``; ``n_ij``: how many blocks of model ``i`` use table
-entry ``j`` (a MoE block uses its routed and its shared part, ``table.moe_parts``; removed blocks
+entry ``j`` (a MoE block uses its routed and its shared part, ``blocks/moe.moe_parts``; removed blocks
 and parts use none); ``x_j >= 0``: the entry's cost; ``c_0``: the constant per forward (embedding,
 final norm, LM head, framework overhead; unbounded). Solved as weighted non-negative least squares
 
@@ -47,10 +47,11 @@ from typing import Any
 
 import numpy as np
 
-from autocompress_nemo.arch.spec import ArchSpec, MoeBlock
+from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.blocks import kind_of
 from autocompress_nemo.costs.engines.base import Engine, Workload
 from autocompress_nemo.costs.profile.provenance import progress, run_row
-from autocompress_nemo.costs.table import PHASES, moe_parts, spec_hash
+from autocompress_nemo.costs.table import PHASES, spec_hash
 from autocompress_nemo.search.space import apply_choices, build_space
 
 
@@ -72,11 +73,7 @@ def balanced_choices(sizes: list[int], n: int, seed: int) -> list[list[int]]:
 def entry_parts(b: Any) -> list[Any]:
     """The table entries a block uses (``CostTable.block_latency``): none when removed, a MoE block's
     non-removed parts, otherwise the block itself."""
-    if b.removed:
-        return []
-    if isinstance(b, MoeBlock):
-        return [p for p in moe_parts(b) if not p.removed]
-    return [b]
+    return [] if b.removed else [p for p in kind_of(b).parts(b) if not p.removed]
 
 
 def feature_matrix(specs: list[ArchSpec], columns: list[Any]) -> np.ndarray:

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MlpBlock, MoeBlock
-from autocompress_nemo.costs.table import moe_parts
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MlpBlock
+from autocompress_nemo.blocks import kind_of
 from autocompress_nemo.search.space import build_space
 
 
 def profile_options(parent: ArchSpec, caps: Any, ffn_points: int) -> list[Block]:
     """Distinct block options to profile: every non-removed option of the search space
     (``build_space(parent, caps, ffn_points)``) and every parent block, MoE blocks as their parts
-    (``table.moe_parts``), in order of first appearance."""
+    (``Kind.parts``), in order of first appearance."""
     out: list[Block] = []
     for d in build_space(parent, caps, ffn_points):
         out += [o for o in d.options if not o.removed and o not in out]
     for b in parent.blocks:
-        for p in moe_parts(b) if isinstance(b, MoeBlock) else (b,):
+        for p in kind_of(b).parts(b):
             if not p.removed and p not in out:
                 out.append(p)
     return out

@@ -18,15 +18,13 @@ Family conventions (``spec.family``; ``spec.extra`` may override):
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
-from autocompress_nemo.models.megatron import common_config
+from autocompress_nemo.models.megatron import activation, common_config
 
 
 @dataclass(frozen=True)
@@ -61,7 +59,7 @@ def family_options(spec: ArchSpec) -> FamilyOptions:
     if spec.family == "qwen3_moe":
         return FamilyOptions(
             position_embedding="rope",
-            qk_layernorm=bool(x.get("qk_layernorm", True)),
+            qk_layernorm=spec.qk_norm,
             router_score="softmax",
             expert_bias=False,
             pre_softmax=not bool(x.get("norm_topk_prob", True)),
@@ -73,27 +71,6 @@ def family_options(spec: ArchSpec) -> FamilyOptions:
     raise ValueError(
         f"ArchSpec {spec.name!r}: family {spec.family!r} is not a hybrid/MoE family (nemotron_h, qwen3_moe)"
     )
-
-
-def squared_relu(x: torch.Tensor) -> torch.Tensor:
-    """relu(x)² (Nemotron-H's ``relu2``), eager: Megatron's copy is ``torch.compile``'d, which on
-    CPU costs tens of seconds of C++ compilation on the first call."""
-    return torch.square(F.relu(x))
-
-
-def activation(name: str) -> tuple[Any, bool]:
-    """``(activation_func, gated_linear_unit)`` of an ArchSpec activation name."""
-    if name == "swiglu":
-        return F.silu, True
-    if name == "relu2":
-        if torch.cuda.is_available():
-            from megatron.core.activations import squared_relu as compiled_squared_relu
-
-            return compiled_squared_relu, False
-        return squared_relu, False
-    if name == "gelu":
-        return F.gelu, False
-    raise ValueError(f"unknown activation {name!r}")
 
 
 def _first(spec: ArchSpec, kind: str) -> Any:
@@ -115,23 +92,13 @@ def _parallel_sizes() -> tuple[int, int, int, int]:
 
 def check_shardable(spec: ArchSpec, tp: int, ep: int, etp: int) -> None:
     """Raise one ``ValueError`` naming every block that cannot be split at these sizes."""
-    problems = []
-    for i, b in enumerate(spec.blocks):
-        if b.removed:
-            continue
-        if isinstance(b, AttentionBlock) and (b.num_heads % tp or b.num_kv_groups % tp):
-            problems.append(f"block {i}: {b.num_heads} heads / {b.num_kv_groups} KV groups vs TP={tp}")
-        elif isinstance(b, MlpBlock) and b.ffn % tp:
-            problems.append(f"block {i}: ffn {b.ffn} vs TP={tp}")
-        elif isinstance(b, MambaBlock) and (b.num_heads % tp or b.num_groups % tp):
-            problems.append(f"block {i}: {b.num_heads} Mamba heads / {b.num_groups} groups vs TP={tp}")
-        elif isinstance(b, MoeBlock):
-            if b.num_experts and b.expert_ffn and (b.num_experts % ep or b.expert_ffn % etp):
-                problems.append(
-                    f"block {i}: {b.num_experts} experts vs EP={ep} or expert ffn {b.expert_ffn} vs expert-TP={etp}"
-                )
-            if b.shared_ffn % tp:
-                problems.append(f"block {i}: shared-expert ffn {b.shared_ffn} vs TP={tp}")
+    from autocompress_nemo.blocks import kind_of
+
+    problems = [
+        f"block {i}: {why}"
+        for i, b in enumerate(spec.blocks)
+        if not b.removed and (why := kind_of(b).shard_problem(b, tp, ep, etp))
+    ]
     if problems:
         raise ValueError("cannot shard the model: " + "; ".join(problems) + " (choose sizes that divide them)")
 
@@ -213,49 +180,3 @@ def model_config(
         cfg["expert_model_parallel_size"] = 1
     cfg.update(overrides)
     return TransformerConfig(**cfg)
-
-
-def block_config(base: Any, block: Any) -> Any:
-    """``base`` with the fields of one block (``None`` for a removed block)."""
-    if block.removed:
-        return None
-    if isinstance(block, AttentionBlock):
-        return dataclasses.replace(
-            base, num_attention_heads=block.num_heads, num_query_groups=block.num_kv_groups, kv_channels=block.head_dim
-        )
-    if isinstance(block, MlpBlock):
-        act, gated = activation(block.activation)
-        return dataclasses.replace(base, ffn_hidden_size=block.ffn, activation_func=act, gated_linear_unit=gated)
-    if isinstance(block, MoeBlock):
-        act, gated = activation(block.activation)
-        if not (block.num_experts and block.expert_ffn):  # routed experts removed: the shared expert is a dense MLP
-            return dataclasses.replace(
-                base, ffn_hidden_size=block.shared_ffn, activation_func=act, gated_linear_unit=gated
-            )
-        if block.top_k == 1 and base.moe_router_score_function == "sigmoid":
-            raise ValueError(
-                "MoE block with top_k=1 and a sigmoid router: Hugging Face Nemotron-H normalizes the top-k "
-                "weights (a single expert gets weight 1.0) but Megatron only normalizes for top_k > 1; "
-                "use top_k >= 2"
-            )
-        if block.latent and base.moe_shared_expert_overlap:
-            raise ValueError("LatentMoE blocks need moe_shared_expert_overlap=False")
-        return dataclasses.replace(
-            base,
-            num_moe_experts=block.num_experts,
-            moe_ffn_hidden_size=block.expert_ffn,
-            moe_router_topk=block.top_k,
-            moe_shared_expert_intermediate_size=block.shared_ffn or None,
-            moe_latent_size=block.latent or None,
-            activation_func=act,
-            gated_linear_unit=gated,
-        )
-    if isinstance(block, MambaBlock):
-        return dataclasses.replace(
-            base,
-            mamba_num_heads=block.num_heads,
-            mamba_head_dim=block.head_dim,
-            mamba_state_dim=block.state_size,
-            mamba_num_groups=block.num_groups,
-        )
-    raise TypeError(f"unknown block {block!r}")

@@ -101,7 +101,7 @@ class HfNames:
 NEMOTRON_H = HfNames("nemotron_h", embed="backbone.embeddings.weight", final_norm="backbone.norm_f.weight")
 QWEN3_MOE = HfNames("qwen3_moe", embed="model.embed_tokens.weight", final_norm="model.norm.weight")
 LLAMA = HfNames("llama", embed="model.embed_tokens.weight", final_norm="model.norm.weight")
-PAIRED = {"qwen3_moe": QWEN3_MOE, "llama": LLAMA}
+PAIRED = {"qwen3_moe": QWEN3_MOE, "llama": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA}
 """Families whose decoder layer holds two blocks: attention ``2l`` and its feed-forward ``2l+1``."""
 
 
@@ -118,5 +118,5 @@ def hf_names(spec: ArchSpec) -> HfNames:
     if spec.family == "nemotron_h":
         return NEMOTRON_H
     raise ValueError(
-        f"ArchSpec {spec.name!r}: family {spec.family!r} has no checkpoint names (known: llama, nemotron_h, qwen3_moe)"
+        f"ArchSpec {spec.name!r}: family {spec.family!r} has no checkpoint names (known: {sorted([*PAIRED, 'nemotron_h'])})"
     )

@@ -4,7 +4,7 @@ Megatron's ``HybridStack`` builds every layer of a ``hybrid_layer_pattern`` from
 single config, so all Mamba blocks share one head count, all MoE blocks one expert count.
 This subclass keeps its forward (and everything ``HybridModel`` relies on) and replaces only
 the construction: block ``i`` is built from ``block_plan[i] = (layer spec, its own config)``
-(see ``configs.block_config``), and a removed block is a ``NoOpBlock``.
+(its kind's ``megatron_config`` / ``megatron_spec``, ``blocks/``), and a removed block is a ``NoOpBlock``.
 
 Layer specs are Megatron's hybrid ones (``MambaLayer``, attention ``TransformerLayer``,
 ``MLPLayer``, ``MoETransformerLayer`` with ``MoELayer``), with local modules on CPU
@@ -15,13 +15,13 @@ into ``in_proj`` / ``linear_qkv`` / ``linear_fc1``, grouped-GEMM experts).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 from torch import nn
 
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.blocks import kind_of
 from autocompress_nemo.models import compat_cpu
 
 
@@ -50,6 +50,7 @@ def _modules(use_te: bool) -> dict[str, Any]:
         )
 
         return dict(
+            te=True,
             norm=IdentityOp,
             moe_norm=TENorm,
             qk=TENorm,
@@ -59,6 +60,7 @@ def _modules(use_te: bool) -> dict[str, Any]:
             final=TENorm,
         )
     return dict(
+        te=False,
         norm=compat_cpu.SequenceParallelTorchNorm,
         moe_norm=compat_cpu.SequenceParallelTorchNorm,
         qk=compat_cpu.qk_norm,
@@ -69,91 +71,18 @@ def _modules(use_te: bool) -> dict[str, Any]:
     )
 
 
-def block_layer_spec(block: Any, config: Any, use_te: bool, chunk_size: int = 128) -> Any:
-    """The Megatron layer spec of one (present) block."""
-    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
-    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
-    from megatron.core.ssm.mlp_layer import MLPLayer
-    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.mlp import MLP, MLPSubmodules
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import (
-        MoETransformerLayer,
-        TransformerLayer,
-        TransformerLayerSubmodules,
-    )
-
-    m = _modules(use_te)
-    if isinstance(block, MambaBlock):
-        return ModuleSpec(
-            module=MambaLayer,
-            submodules=MambaLayerSubmodules(
-                norm=m["norm"],
-                mixer=ModuleSpec(
-                    module=MambaMixer,
-                    params={"d_conv": block.conv_kernel, "chunk_size": chunk_size},
-                    submodules=MambaMixerSubmodules(in_proj=m["col"], out_proj=m["row"]),
-                ),
-                mamba_bda=get_bias_dropout_add,
-            ),
-        )
-    if isinstance(block, AttentionBlock):
-        return ModuleSpec(
-            module=TransformerLayer,
-            submodules=TransformerLayerSubmodules(
-                input_layernorm=m["norm"],
-                self_attention=ModuleSpec(
-                    module=SelfAttention,
-                    params={"attn_mask_type": AttnMaskType.causal},
-                    submodules=SelfAttentionSubmodules(
-                        linear_qkv=m["col"],
-                        core_attention=m["core"],
-                        linear_proj=m["row"],
-                        q_layernorm=m["qk"] if config.qk_layernorm else IdentityOp,
-                        k_layernorm=m["qk"] if config.qk_layernorm else IdentityOp,
-                    ),
-                ),
-                self_attn_bda=get_bias_dropout_add,
-            ),
-        )
-    dense = isinstance(block, MlpBlock) or (
-        isinstance(block, MoeBlock) and not (block.num_experts and block.expert_ffn)
-    )
-    if dense:
-        return ModuleSpec(
-            module=MLPLayer,
-            submodules=TransformerLayerSubmodules(
-                pre_mlp_layernorm=m["norm"],
-                mlp=functools.partial(
-                    MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=m["col"], linear_fc2=m["row"])
-                ),
-                mlp_bda=get_bias_dropout_add,
-            ),
-        )
-    if isinstance(block, MoeBlock):
-        return ModuleSpec(
-            module=MoETransformerLayer,
-            submodules=TransformerLayerSubmodules(
-                pre_mlp_layernorm=m["moe_norm"],
-                mlp=get_moe_module_spec(use_te=use_te, num_experts=block.num_experts, moe_grouped_gemm=use_te),
-                mlp_bda=get_bias_dropout_add,
-            ),
-        )
-    raise TypeError(f"unknown block {block!r}")
-
-
 def block_plan(spec: ArchSpec, base_config: Any, use_te: bool, chunk_size: int) -> list[tuple[Any, Any]]:
-    """``[(layer spec or None, config or None)]`` per block; ``None`` for a removed block."""
-    from autocompress_nemo.models.hybrid.configs import block_config
-
-    plan = []
+    """``[(layer spec or None, config or None)]`` per block (its kind's ``megatron_spec`` /
+    ``megatron_config``); ``(None, None)`` for a removed block."""
+    m = _modules(use_te)
+    plan: list[tuple[Any, Any]] = []
     for b in spec.blocks:
-        cfg = block_config(base_config, b)
-        plan.append((None, None) if cfg is None else (block_layer_spec(b, cfg, use_te, chunk_size), cfg))
+        if b.removed:
+            plan.append((None, None))
+            continue
+        kind = kind_of(b)
+        cfg = kind.megatron_config(base_config, b)
+        plan.append((kind.megatron_spec(b, cfg, m, chunk_size), cfg))
     return plan
 
 

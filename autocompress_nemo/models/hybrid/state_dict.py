@@ -1,4 +1,5 @@
-"""Hugging Face-named state dicts (``names.py``) <-> Megatron hybrid / MoE models, with TP and EP.
+"""Hugging Face-named state dicts (``names.py``) <-> Megatron models of every family (``GPTModel``:
+a layer holds an attention and an mlp block; ``HybridModel``: one block per layer), with TP and EP.
 
 Every Megatron tensor is described by ``(block, role, expert, layout)``; ``layout`` says how the
 full Hugging Face tensor(s) become this rank's shard:
@@ -23,9 +24,28 @@ from typing import Any
 
 import torch
 
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MoeBlock
+from autocompress_nemo.blocks import kind_of
+from autocompress_nemo.blocks.moe import has_routed_experts
 from autocompress_nemo.models.hybrid.names import HfNames, hf_names
-from autocompress_nemo.models.llama.state_dict_adapter import fuse_qkv, split_qkv
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """Megatron's grouped QKV from HF q/k/v (weights ``[out, H]`` or biases ``[out]``)."""
+    tail = q.shape[1:]
+    qg = q.reshape(groups, -1, *tail)
+    kg = k.reshape(groups, -1, *tail)
+    vg = v.reshape(groups, -1, *tail)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *tail)
+
+
+def split_qkv(qkv: torch.Tensor, groups: int, heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """Inverse of ``fuse_qkv`` on the full (gathered) fused tensor."""
+    tail = qkv.shape[1:]
+    per = heads // groups
+    g = qkv.reshape(groups, (per + 2) * head_dim, *tail)
+    q, k, v = torch.split(g, [per * head_dim, head_dim, head_dim], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
 @dataclass(frozen=True)
@@ -35,10 +55,6 @@ class Slot:
     expert: int | None
     layout: str
     expert_tp: bool = False
-
-
-def _routed(b: Any) -> bool:
-    return isinstance(b, MoeBlock) and bool(b.num_experts and b.expert_ffn)
 
 
 def _groups() -> dict[str, Any]:
@@ -81,6 +97,7 @@ _ATTN = {
     "input_layernorm.weight": ("norm", "rep"),
     "self_attention.linear_qkv.layer_norm_weight": ("norm", "rep"),
     "self_attention.linear_qkv.weight": ("qkv", "qkv"),
+    "self_attention.linear_qkv.bias": ("qkv_bias", "qkv"),
     "self_attention.linear_proj.weight": ("o", "col"),
     "self_attention.q_layernorm.weight": ("q_norm", "rep"),
     "self_attention.k_layernorm.weight": ("k_norm", "rep"),
@@ -116,6 +133,8 @@ def slot_of(spec: ArchSpec, model: Any, name: str, ep: tuple[int, int, Any]) -> 
         raise KeyError(name)
     layer = model.decoder.layers[int(m.group(1))]
     g, rest = int(layer.layer_number) - 1, m.group(2)
+    if getattr(model, "blocks_per_layer", 1) == 2:  # a GPTModel layer: attention block 2l, mlp block 2l+1
+        g = 2 * g + int(rest.startswith(("pre_mlp_layernorm.", "mlp.")))
     b = spec.blocks[g]
     table = (
         _MAMBA
@@ -123,15 +142,15 @@ def slot_of(spec: ArchSpec, model: Any, name: str, ep: tuple[int, int, Any]) -> 
         else _ATTN
         if isinstance(b, AttentionBlock)
         else _MOE
-        if _routed(b)
+        if has_routed_experts(b)
         else _DENSE
     )
     if rest in table:
         role, layout = table[rest]
-        if isinstance(b, MoeBlock) and not _routed(b) and role in ("fc1", "down"):
+        if isinstance(b, MoeBlock) and not has_routed_experts(b) and role in ("fc1", "down"):
             role = "shared_" + role  # routed experts removed: the shared expert runs as a dense MLP
         return Slot(g, role, None, layout)
-    e = _EXPERT.match(rest) if _routed(b) else None
+    e = _EXPERT.match(rest) if has_routed_experts(b) else None
     if e:
         local = int(e.group(1) if e.group(1) is not None else e.group(4))
         fc = e.group(2) or e.group(3)
@@ -171,8 +190,9 @@ def shard(
     def k(role: str) -> torch.Tensor:
         return hf[names.key(s.block, role, s.expert)]
 
-    if s.layout == "qkv":
-        return fuse_qkv(k("q"), k("k"), k("v"), b.num_kv_groups).chunk(n, 0)[r]  # type: ignore[union-attr]
+    if s.layout == "qkv":  # weights, or the biases (Qwen2) for role ``qkv_bias``
+        sfx = s.role.removeprefix("qkv")
+        return fuse_qkv(k("q" + sfx), k("k" + sfx), k("v" + sfx), b.num_kv_groups).chunk(n, 0)[r]  # type: ignore[union-attr]
     if s.layout == "fc1":
         pre = s.role.removesuffix("fc1")
         up = k(pre + "up").chunk(n, 0)[r]
@@ -211,8 +231,9 @@ def unshard(spec: ArchSpec, names: HfNames, s: Slot, t: torch.Tensor, n: int, gr
     if s.layout == "col":
         return {key(s.role): torch.cat(parts, dim=1)}
     if s.layout == "qkv":
+        sfx = s.role.removeprefix("qkv")
         q, k_, v = split_qkv(torch.cat(parts), b.num_kv_groups, b.num_heads, b.head_dim)  # type: ignore[union-attr]
-        return {key("q"): q, key("k"): k_, key("v"): v}
+        return {key("q" + sfx): q, key("k" + sfx): k_, key("v" + sfx): v}
     if s.layout == "fc1":
         pre = s.role.removesuffix("fc1")
         if not b.gated:  # type: ignore[union-attr]
@@ -253,7 +274,7 @@ def hf_to_megatron(spec: ArchSpec, hf_sd: dict[str, torch.Tensor], model: Any) -
                 continue
             t.copy_(src.to(t.dtype))
     full_model = bool(getattr(model, "pre_process", True) and getattr(model, "post_process", True))
-    unused = set(hf_sd) - set(hf_shapes(spec))
+    unused = {k for k in set(hf_sd) - set(hf_shapes(spec)) if not k.endswith("rotary_emb.inv_freq")}
     if spec.tied_embeddings and names.lm_head in unused and torch.equal(hf_sd[names.lm_head], hf_sd[names.embed]):
         unused.discard(names.lm_head)
     if unused and full_model:
@@ -265,7 +286,7 @@ def hf_to_megatron(spec: ArchSpec, hf_sd: dict[str, torch.Tensor], model: Any) -
 
 
 def megatron_to_hf(spec: ArchSpec, model: Any, grads: bool = False) -> dict[str, torch.Tensor]:
-    """The Hugging Face-named state dict (float32, CPU, full tensors) of a Megatron hybrid model.
+    """The Hugging Face-named state dict (float32, CPU, full tensors) of a Megatron model.
 
     Collective over the TP and EP groups (call on every rank; every rank gets everything).
     ``grads=True`` maps the parameters' ``.grad`` instead (zeros where missing; buffers skipped).
@@ -291,50 +312,9 @@ def megatron_to_hf(spec: ArchSpec, model: Any, grads: bool = False) -> dict[str,
 
 
 def block_roles(spec: ArchSpec, b: Any) -> list[tuple[str, int | None, tuple[int, ...]]]:
-    """``(role, expert, shape)`` of every Hugging Face tensor of one block (none if removed)."""
-    h = spec.hidden
-    out: list[tuple[str, int | None, tuple[int, ...]]] = []
-    if b.removed:
-        return out
-
-    def put(role: str, *shape: int, e: int | None = None) -> None:
-        out.append((role, e, tuple(shape)))
-
-    put("norm", h)
-    if isinstance(b, AttentionBlock):
-        d = b.head_dim
-        put("q", b.num_heads * d, h), put("k", b.num_kv_groups * d, h), put("v", b.num_kv_groups * d, h)
-        put("o", h, b.num_heads * d)
-        if family_qk_norm(spec):
-            put("q_norm", d), put("k_norm", d)
-        if spec.extra.get("qkv_bias"):  # Qwen2
-            put("q_bias", b.num_heads * d), put("k_bias", b.num_kv_groups * d), put("v_bias", b.num_kv_groups * d)
-    elif isinstance(b, MlpBlock):
-        put("up", b.ffn, h), put("down", h, b.ffn)
-        if b.gated:
-            put("gate", b.ffn, h)
-    elif isinstance(b, MambaBlock):
-        gn, di = b.num_groups * b.state_size, b.d_inner
-        put("in_proj", 2 * di + 2 * gn + b.num_heads, h), put("conv_w", di + 2 * gn, 1, b.conv_kernel)
-        put("conv_b", di + 2 * gn), put("dt_bias", b.num_heads), put("A_log", b.num_heads), put("D", b.num_heads)
-        put("mnorm", di), put("out_proj", h, di)
-    elif isinstance(b, MoeBlock):
-        if b.shared_ffn:
-            put("shared_up", b.shared_ffn, h), put("shared_down", h, b.shared_ffn)
-            if b.gated:
-                put("shared_gate", b.shared_ffn, h)
-        if _routed(b):
-            inner = b.latent or h
-            put("router", b.num_experts, h)
-            if spec.family == "nemotron_h":
-                put("router_bias", b.num_experts)
-            if b.latent:
-                put("latent_down", b.latent, h), put("latent_up", h, b.latent)
-            for e in range(b.num_experts):
-                put("expert_up", b.expert_ffn, inner, e=e), put("expert_down", inner, b.expert_ffn, e=e)
-                if b.gated:
-                    put("expert_gate", b.expert_ffn, inner, e=e)
-    return out
+    """``(role, expert, shape)`` of every Hugging Face tensor of one block (none if removed): its
+    ``norm``, then its kind's (``blocks/<kind>.roles``)."""
+    return [] if b.removed else [("norm", None, (spec.hidden,)), *kind_of(b).roles(spec, b)]
 
 
 def hf_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
@@ -347,14 +327,6 @@ def hf_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
         for role, e, shape in block_roles(spec, b):
             out[names.key(i, role, e)] = shape
     return out
-
-
-def family_qk_norm(spec: ArchSpec) -> bool:
-    if spec.family == "llama":  # Qwen3 dense: per-head q/k RMSNorm
-        return bool(spec.extra.get("qk_layernorm"))
-    from autocompress_nemo.models.hybrid.configs import family_options
-
-    return family_options(spec).qk_layernorm
 
 
 def random_hf_state_dict(spec: ArchSpec, seed: int = 0, std: float = 0.05) -> dict[str, torch.Tensor]:

@@ -43,7 +43,7 @@ def export_hf(
     it on every rank; rank 0 writes) or a HF Llama-named state dict. Returns the
     directory on the writing rank, ``None`` on the others. Tied embeddings: no ``lm_head``.
     """
-    from autocompress_nemo.models.llama.state_dict_adapter import megatron_to_hf
+    from autocompress_nemo.models.hybrid.state_dict import megatron_to_hf
 
     sd = dict(model_or_sd) if isinstance(model_or_sd, dict) else megatron_to_hf(spec, model_or_sd)
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:

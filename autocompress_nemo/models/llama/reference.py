@@ -122,10 +122,10 @@ def random_hf_state_dict(spec: ArchSpec, seed: int = 0, std: float = 0.05) -> di
             sd[p + "self_attn.k_proj.weight"] = rnd(att.num_kv_groups * d, H)
             sd[p + "self_attn.v_proj.weight"] = rnd(att.num_kv_groups * d, H)
             sd[p + "self_attn.o_proj.weight"] = rnd(H, att.num_heads * d)
-            if spec.extra.get("qkv_bias"):
+            if spec.qkv_bias:
                 for n, rows in (("q", att.num_heads * d), ("k", att.num_kv_groups * d), ("v", att.num_kv_groups * d)):
                     sd[p + f"self_attn.{n}_proj.bias"] = rnd(rows)
-            if spec.extra.get("qk_layernorm"):
+            if spec.qk_norm:
                 sd[p + "self_attn.q_norm.weight"] = norm(d)
                 sd[p + "self_attn.k_norm.weight"] = norm(d)
         if not mlp.removed:
