@@ -213,9 +213,7 @@ def fingerprinted(d: Path, fingerprint: str, say: Callable[[str], None] = print)
                 old = None
             if old == fingerprint:
                 return d
-        if d.is_dir() and old is None and not any(d.iterdir()):
-            pass  # an empty directory: nothing to set aside
-        else:
+        if not (d.is_dir() and old is None and not any(d.iterdir())):  # an empty directory: nothing to set aside
             aside = set_aside(d, "stale")
             why = f"fingerprint {old}, now {fingerprint}" if old else "no fingerprint"
             say(f"[{d.name}] checkpoint made from other inputs ({why}): set aside as {aside}; starting over")

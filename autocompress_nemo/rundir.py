@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -109,11 +110,9 @@ def launch_rank() -> int:
     """This process's rank in its job: torch.distributed's when it is up, else the launcher's
     (``RANK``: torchrun, the spawn helper; 0 for a single process). Rank 0 alone locks and cleans."""
     dist = sys.modules.get("torch.distributed")  # not imported: not initialized either
-    try:
+    with contextlib.suppress(Exception):  # a broken torch.distributed: the launcher's word
         if dist is not None and dist.is_available() and dist.is_initialized():
             return int(dist.get_rank())
-    except Exception:  # noqa: BLE001 - a broken torch.distributed: the launcher's word
-        pass
     return int(os.environ.get("RANK", "0") or 0)
 
 

@@ -38,3 +38,20 @@ ROUTER = dict(
 def search_cfg(**fields: Any) -> DictConfig:
     """The ``search`` section as the stages read it: ``SearchConfig(**fields)``, typed."""
     return OmegaConf.structured(SearchConfig(**fields))
+
+
+def run_cli(*args: str, cwd: Any, timeout: int = 300) -> Any:
+    """``python -m autocompress_nemo.search ARGS`` in ``cwd`` as a user runs it (a ``CompletedProcess``
+    with text output; Hydra's own tracebacks off, so what the user sees is what is checked)."""
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "autocompress_nemo.search", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=dict(os.environ, HYDRA_FULL_ERROR="0"),
+        timeout=timeout,
+    )

@@ -9,14 +9,13 @@ no traceback, in seconds, and no run directory left behind."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.cfg_utils import TINY_ROOFLINE
+from tests.cfg_utils import TINY_ROOFLINE, run_cli
 
 SMALL_TEXT = "tiny corpus of 27 bytes ok\n"
 
@@ -181,13 +180,6 @@ def test_bad_input_on_the_command_line(name, tmp_path) -> None:
     """The same through the real command line: exit status, the message, no traceback, seconds."""
     args, expected = _args(CASES, name, tmp_path, None)
     t0 = time.time()
-    r = subprocess.run(
-        [sys.executable, "-m", "autocompress_nemo.search", *args],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=dict(os.environ, HYDRA_FULL_ERROR="0"),
-        timeout=120,
-    )
+    r = run_cli(*args, cwd=tmp_path, timeout=120)
     _check(r.returncode, r.stderr, time.time() - t0 - 0.0, expected, tmp_path)
     assert "[profile]" not in r.stdout

@@ -18,24 +18,13 @@ import pytest
 
 from autocompress_nemo.config.entry import compose
 from autocompress_nemo.rundir import LOCK, RunDirError, acquire_lock, clean_leftovers, release_lock
-from tests.cfg_utils import TINY_ROOFLINE
+from tests.cfg_utils import TINY_ROOFLINE, run_cli
 
 PROFILE_ONLY = [*TINY_ROOFLINE, "stages=[profile]"]
 HOLD = (
     "import sys, time; from autocompress_nemo.rundir import acquire_lock; "
     "acquire_lock(sys.argv[1]); print('held', flush=True); time.sleep(60)"
 )
-
-
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "autocompress_nemo.search", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=dict(os.environ, HYDRA_FULL_ERROR="0"),
-        timeout=300,
-    )
 
 
 @pytest.fixture
@@ -62,7 +51,7 @@ def test_a_second_run_on_a_directory_refuses_naming_the_holder(holder) -> None:
 
 def test_a_second_run_refuses_on_the_command_line_before_writing_its_config(holder) -> None:
     run_dir, pid = holder
-    r = _cli(*PROFILE_ONLY, f"run_dir={run_dir}", cwd=run_dir.parent)
+    r = run_cli(*PROFILE_ONLY, f"run_dir={run_dir}", cwd=run_dir.parent)
     assert r.returncode == 2, r.stderr
     assert f"is in use by another run (pid {pid}" in r.stderr and "Traceback" not in r.stderr
     assert not (run_dir / ".hydra").exists() and not (run_dir / "profile").exists()
@@ -124,16 +113,16 @@ def test_clean_leftovers_keeps_those_of_live_processes(tmp_path) -> None:
 @pytest.mark.slow
 def test_a_rejected_command_leaves_a_finished_runs_config_record(tmp_path) -> None:
     run_dir = tmp_path / "run"
-    r = _cli(*PROFILE_ONLY, f"run_dir={run_dir}", cwd=tmp_path)
+    r = run_cli(*PROFILE_ONLY, f"run_dir={run_dir}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     record = run_dir / ".hydra" / "config.yaml"
     before = record.read_bytes()
     for bad in (["distill.lr=nan"], ["+search.stepz=3"], ["model=nope"]):
-        r = _cli(*PROFILE_ONLY, f"run_dir={run_dir}", *bad, cwd=tmp_path)
+        r = run_cli(*PROFILE_ONLY, f"run_dir={run_dir}", *bad, cwd=tmp_path)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert record.read_bytes() == before, bad
     # an accepted command writes its own record; the previous one is kept in .hydra/history
-    r = _cli(*PROFILE_ONLY, f"run_dir={run_dir}", "seed=7", cwd=tmp_path)
+    r = run_cli(*PROFILE_ONLY, f"run_dir={run_dir}", "seed=7", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert b"seed: 7" in record.read_bytes()
     (old,) = (run_dir / ".hydra" / "history").iterdir()
@@ -141,10 +130,10 @@ def test_a_rejected_command_leaves_a_finished_runs_config_record(tmp_path) -> No
 
 
 def test_cfg_job_and_help_work_wherever_they_are_placed(tmp_path) -> None:
-    r = _cli("model=tiny_llama", "--cfg", "job", "seed=5", cwd=tmp_path)
+    r = run_cli("model=tiny_llama", "--cfg", "job", "seed=5", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "name: tiny_llama" in r.stdout and "seed: 5" in r.stdout
-    r = _cli("model=tiny_llama", "--help", cwd=tmp_path)
+    r = run_cli("model=tiny_llama", "--help", cwd=tmp_path)
     assert r.returncode == 0 and "autocompress-nemo: hardware-guided compression" in r.stdout, r.stderr
     assert not any(tmp_path.iterdir())  # printing writes nothing
 
@@ -256,7 +245,7 @@ def test_a_read_only_parent_is_named_up_front(tmp_path) -> None:
     ro.mkdir()
     ro.chmod(0o555)
     try:
-        r = _cli(*PROFILE_ONLY, f"run_dir={ro}/run", cwd=tmp_path)
+        r = run_cli(*PROFILE_ONLY, f"run_dir={ro}/run", cwd=tmp_path)
     finally:
         ro.chmod(0o755)
     assert r.returncode == 2 and "is not writable" in r.stderr and "Traceback" not in r.stderr

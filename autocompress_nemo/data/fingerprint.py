@@ -10,6 +10,7 @@ while size and mtime stay the same.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -51,10 +52,9 @@ def file_digests(files: list[Path], cache_file: Path | None = None) -> dict[str,
             changed = True
         out[key] = digest
     if changed and cache_file is not None:
-        try:
+        # the cache is an optimisation; a read-only run directory is reported elsewhere
+        with contextlib.suppress(OSError):
             write_json_atomic(cache_file, disk)
-        except OSError:
-            pass  # the cache is an optimisation; a read-only run directory is reported elsewhere
     return out
 
 
