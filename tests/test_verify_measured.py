@@ -38,7 +38,7 @@ class ScriptedEngine:
     def __init__(self, factors: list[float]):
         self.factors, self.calls = factors, 0
 
-    def measure_many(self, specs, wl):  # noqa: ANN001, ANN201
+    def measure_many(self, specs, wl, **kw):  # noqa: ANN001, ANN003, ANN201  (absolute times: no reference)
         out = []
         for s in specs:
             f = self.factors[min(self.calls, len(self.factors) - 1)]
@@ -47,11 +47,65 @@ class ScriptedEngine:
         return out
 
 
-def _ctx(rounds: int) -> SimpleNamespace:
-    """What the stage reads of the run config (``search``, ``target.workload``), from the real schema."""
+def _ctx(rounds: int, budget: str = "0.6x") -> SimpleNamespace:
+    """What the stage reads of the run config (``search``, ``target.workload`` and ``.budget``), from the real schema."""
     workload = OmegaConf.structured(WorkloadConfig(name="test", **WL))
-    cfg = OmegaConf.create({"search": search_cfg(verify_rounds=rounds), "target": {"workload": workload}})
+    target = {"workload": workload, "budget": {"constraints": [{"metric": "decode_ms", "value": budget}]}}
+    cfg = OmegaConf.create({"search": search_cfg(verify_rounds=rounds), "target": target})
     return SimpleNamespace(cfg=cfg, say=print)
+
+
+class BusyRatioEngine:
+    """A machine ``slow`` times slower than when the table was profiled, timing every model next to the
+    parent in the same rounds (``costs/engines/paired.py``): the ratio is the table's, the times are not."""
+
+    name, estimated = "fake", False
+
+    def __init__(self, slow: float, cost: TableCost, parent):  # noqa: ANN001
+        self.slow, self.cost, self.parent, self.calls = slow, cost, parent, 0
+
+    def measure_many(self, specs, wl, reference=None, **kw):  # noqa: ANN001, ANN003, ANN201
+        from autocompress_nemo.costs.engines.base import Measurement
+
+        assert reference is not None, "the check before slicing must time the parent with the child"
+        parent_now = self.slow * self.cost.predict(self.parent)["decode_ms"]
+        out = []
+        for s in specs:
+            self.calls += 1
+            q = self.cost.predict(s)["decode_ms"] / self.cost.predict(self.parent)["decode_ms"]
+            m = Measurement(prefill_ms=1.0, decode_ms=q * parent_now, memory={"weights": 0.0})
+            m.ratio = {"decode_ms": q, "prefill_ms": 1.0}
+            m.absolute = {"decode_ms": q * parent_now, "prefill_ms": 1.0}
+            m.reference = {"name": "parent", "decode_ms": parent_now, "prefill_ms": 1.0, "load_avg": [2.0, 2.0]}
+            out.append(m)
+        return out
+
+
+def test_relative_budget_is_checked_on_the_ratio_to_the_parent_timed_with_it(tmp_path) -> None:
+    """The machine is 30 % slower during the check than at profiling: on absolute times the child the
+    table put at the budget misses it and is cut further (the collapse of 9344955); timed next to the
+    parent, its ratio meets 0.6x and it passes in round 0, unchanged."""
+    spec, decisions, cost, settler = _setup()
+    budget = {"decode_ms": 0.6 * cost.predict(spec)["decode_ms"]}
+    start = settler([d.parent_option for d in decisions], budget, guard=False)
+    ratio = cost.predict(apply_choices(spec, decisions, start))["decode_ms"] / cost.predict(spec)["decode_ms"]
+    assert 0.55 < ratio <= 0.6
+    engine = BusyRatioEngine(1.3, cost, spec)
+    final, history = stages.verify_measured(_ctx(2), tmp_path, spec, decisions, start, cost, budget, settler, engine)
+    assert final == start and history[0]["pass"] is True and engine.calls == 1
+    assert history[0]["ratio"]["decode_ms"] == ratio
+    assert history[0]["budget_measured"]["decode_ms"] == 0.6 * 1.3 * cost.predict(spec)["decode_ms"]
+    # the old method on the same machine: the absolute time misses the table-unit budget and cuts further
+    old = ScriptedEngine([1.3])
+    final_old, h_old = stages.verify_measured(_ctx(2), tmp_path, spec, decisions, start, cost, budget, settler, old)
+    assert h_old[0]["pass"] is False and final_old != start
+    # an absolute budget converts through the parent measured now: 1.3x slower now, so it binds
+    absolute = f"{budget['decode_ms']}"
+    engine = BusyRatioEngine(1.3, cost, spec)
+    _, h_abs = stages.verify_measured(
+        _ctx(2, absolute), tmp_path, spec, decisions, start, cost, budget, settler, engine
+    )
+    assert h_abs[0]["pass"] is False and h_abs[0]["budget_measured"]["decode_ms"] == budget["decode_ms"]
 
 
 def _setup(grow: float | None = None):  # noqa: ANN202

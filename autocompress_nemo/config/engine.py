@@ -83,6 +83,14 @@ class EngineSettings:
     (``context_len - 1``)."""
     clock: str = "auto"
     """CPU engines: ``thread_cpu``, ``wall`` or ``auto`` (thread CPU time at one thread, else wall)."""
+    reference: str = "parent"
+    """CPU engines: every model is timed next to this reference in the same rounds and stored as its
+    ratio to it (``costs/engines/paired.py``): ``parent`` or ``none`` (absolute times, the old method)."""
+    reference_chunk: int = 8
+    """Decode steps per alternation between a model and the reference."""
+    reference_tolerance: float = 0.1
+    """A model whose per-pair ratios spread more than this (relative IQR) gets one more turn, then is
+    flagged; a reference whose time varies more than this between rounds is flagged."""
     # -- llama.cpp --
     n_batch: int = 2048
     """Prompt-processing batch (llama.cpp ``n_batch``; raised to ``input_len x batch`` when smaller)."""

@@ -120,6 +120,14 @@ class CostTable:
         return bool(self.provenance.get("estimated", False))
 
     @property
+    def reference_times(self) -> dict[str, float] | None:
+        """The reference's (the parent's) prefill and decode times during profiling, which the table's
+        costs are ratios of (``None``: a table of absolute times)."""
+        ref = self.provenance.get("reference") or {}
+        if not all(isinstance(ref.get(p), (int, float)) for p in PHASES):
+            return None
+        return {p: float(ref[p]) for p in PHASES}
+
     def label(self) -> str:
         return ESTIMATED_LABEL if self.estimated else MEASURED_LABEL
 
@@ -204,7 +212,7 @@ class CostTable:
         return best
 
 
-MEASURED_SETTINGS = ("n_batch", "n_ubatch", "decode_context", "max_num_tokens", "max_num_batched_tokens")
+MEASURED_SETTINGS = ("n_batch", "n_ubatch", "decode_context", "max_num_tokens", "max_num_batched_tokens", "reference")
 """``EngineSettings`` fields that change what the engine measures (not only how precisely)."""
 
 

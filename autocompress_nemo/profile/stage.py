@@ -146,15 +146,13 @@ def run_validate(
                 flush=True,
             )
 
-        measured = engine.measure_many(specs, wl, log=progress)
+        # every model timed next to the parent; its ratio expressed in the table's parent times
+        measured = engine.measure_many(
+            specs, wl, log=progress, reference=parent.replace(name="parent"), scale=table.reference_times()
+        )
         for spec, m in zip(specs, measured, strict=True):
             p = pred.predict(spec)
-            meas = {
-                "prefill_ms": m.prefill_ms,
-                "decode_ms": m.decode_ms,
-                "response_latency_ms": m.prefill_ms + wl.output_len * m.decode_ms,
-                "memory_bytes": m.memory_bytes,
-            }
+            meas = _latencies(m.prefill_ms, m.decode_ms, m.memory_bytes, wl.output_len)
             row: dict[str, Any] = {
                 "name": spec.name,
                 "pattern": spec.pattern,
@@ -168,6 +166,12 @@ def run_validate(
                 row[f"err_{k}_pct"] = 100.0 * (p[k] - meas[k]) / meas[k] if meas[k] else float("nan")
             for part, v in m.memory.items():
                 row[f"meas_mem_{part}"], row[f"pred_mem_{part}"] = v, p["memory"].get(part, 0.0)
+            if m.ratio:  # the old method: the model's own absolute time, next to the ratio
+                ab = _latencies(m.absolute["prefill_ms"], m.absolute["decode_ms"], m.memory_bytes, wl.output_len)
+                row.update({f"abs_{k}": float(v) for k, v in ab.items()})
+                row.update({f"ratio_{k}": v for k, v in m.ratio.items()})
+                row.update({f"ratio_rel_iqr_{k}": v["rel_iqr"] for k, v in m.ratio_spread.items()})
+                row["flags"] = m.flags
             row["spec"] = spec.to_dict()
             row["spread"] = m.spread
             rows.append(row)
@@ -192,6 +196,7 @@ def run_validate(
             "reference": ref["name"] if ref else None,
             "engine_runs": getattr(engine, "runs", 0),
             "errors": val.errors(rows),
+            **_reference_summary(measured, rows),
             "wall_s": round(time.time() - t0, 1),
             "table": str(table_path),
         }
@@ -202,6 +207,29 @@ def run_validate(
         val.write_report(rows, summary, tmp)
     summary["files"] = {k: str(out / f"validation.{k}") for k in ("csv", "json", "png")}
     return summary
+
+
+def _latencies(prefill: float, decode: float, memory: float, output_len: int) -> dict[str, float]:
+    return {
+        "prefill_ms": prefill,
+        "decode_ms": decode,
+        "response_latency_ms": prefill + output_len * decode,
+        "memory_bytes": memory,
+    }
+
+
+def _reference_summary(measured: list[Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """How the timing was referenced: the reference's times and variation, the load average, the
+    flagged measurements, and the errors the old method (absolute times) would have shown."""
+    ref = next((m.reference for m in measured if m.reference), None)
+    if not ref:
+        return {"timing": "absolute (no reference timed)"}
+    return {
+        "timing": "ratio to the parent timed in the same rounds x the parent's time in the cost table",
+        "reference": {k: v for k, v in ref.items() if k != "flags"},
+        "flags": sorted({f for m in measured for f in m.flags}),
+        "errors_absolute": val.errors(rows, measured="abs"),
+    }
 
 
 def _rmtree(p: Path) -> None:

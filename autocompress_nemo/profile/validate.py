@@ -139,17 +139,22 @@ def profiled_time(spec: ArchSpec, table: Any) -> dict[str, float] | None:
     return None
 
 
-def errors(rows: list[dict[str, Any]], scale: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
+def errors(
+    rows: list[dict[str, Any]], scale: dict[str, float] | None = None, measured: str = "meas"
+) -> dict[str, dict[str, float]]:
     """Per metric: mean absolute % error, max absolute % error, mean signed % error, over the rows
     that are not a reference (``row['reference']``: a model the table was built from).
 
     ``scale``: per-metric factors applied to the predictions first (``drift_scale``), e.g. to
-    separate the cost model's error from a change of the machine's speed since profiling."""
+    separate the cost model's error from a change of the machine's speed since profiling.
+    ``measured``: the column prefix of the measurement: ``meas`` (the ratio to the reference timed
+    in the same rounds, in the table's reference times) or ``abs`` (the model's own absolute time)."""
     out: dict[str, dict[str, float]] = {}
-    rows = [r for r in rows if not r.get("reference")]
+    rows = [r for r in rows if not r.get("reference") and f"{measured}_decode_ms" in r]
     for m in METRICS:
         f = (scale or {}).get(m, 1.0)
-        errs = [100.0 * (f * r[f"pred_{m}"] - r[f"meas_{m}"]) / r[f"meas_{m}"] for r in rows if r[f"meas_{m}"]]
+        k = f"{measured}_{m}"
+        errs = [100.0 * (f * r[f"pred_{m}"] - r[k]) / r[k] for r in rows if r[k]]
         if errs:
             out[m] = {
                 "mape": sum(abs(e) for e in errs) / len(errs),

@@ -120,6 +120,7 @@ def from_pipeline(results: dict[str, Any]) -> dict[str, Any]:
         how = ESTIMATED if validation.get("estimated") else (src or f"measured in {validation.get('engine', '?')}")
         r["cost_model_validation"] = {
             "errors": validation.get("errors", {}),
+            "errors_absolute": validation.get("errors_absolute", {}),
             "source": how,
             "n_models": validation.get("models"),
         }

@@ -15,6 +15,7 @@ from autocompress_nemo.report.tables import (
     spec_of,
     table,
 )
+from autocompress_nemo.report.timing import timing_section
 
 
 def _summary(res: dict[str, Any]) -> list[str]:
@@ -298,12 +299,25 @@ def _validation(res: dict[str, Any]) -> list[str]:
         [k, fmt(e.get("mape")), fmt(e.get("max_ape")), fmt(e.get("bias")), fmt(e.get("n"))]
         for k, e in v["errors"].items()
     ]
-    return [
+    out = [
         table(["metric", "mean abs error %", "max abs error %", "bias %", "models"], rows),
         "",
         f"Source: {v.get('source', NO_SOURCE)}"
         + (f"; {v['n_models']} models not used to build the table." if v.get("n_models") else "."),
     ]
+    old = v.get("errors_absolute") or {}
+    if old:  # the same models judged on their own absolute times (no reference): what the load does
+        out += [
+            "",
+            "Measured as ratios to the parent timed in the same rounds (above). The same models judged on "
+            "their own absolute times, as before the reference was timed:",
+            "",
+            table(
+                ["metric", "mean abs error %", "max abs error %", "bias %"],
+                [[k, fmt(e.get("mape")), fmt(e.get("max_ape")), fmt(e.get("bias"))] for k, e in old.items()],
+            ),
+        ]
+    return out
 
 
 def _tokens_wall(res: dict[str, Any]) -> list[str]:
@@ -330,7 +344,7 @@ def _selection(res: dict[str, Any]) -> list[str]:
     for e in res["models"].values():
         for r in e.get("engine_check_before_slicing") or []:
             for m, c in (r.get("measured") or {}).items():
-                b = (r.get("budget") or {}).get(m)
+                b = (r.get("budget_measured") or r.get("budget") or {}).get(m)
                 ok = r.get("pass") if b is None else c <= b
                 rows.append(
                     [
@@ -378,6 +392,7 @@ def render_markdown(res: dict[str, Any]) -> str:
         ("Architecture checks before slicing", _selection(res)),
         ("Quality guard before slicing", _guard(res)),
         ("Cost-model validation", _validation(res)),
+        ("Timing against the parent", timing_section(res)),
         ("Tokens and wall time", _tokens_wall(res)),
     ]
     for title, lines in sections:

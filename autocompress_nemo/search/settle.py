@@ -157,14 +157,17 @@ def verify_measured(
     predict: Predict,
     budget: dict[str, float],
     settle: Callable[[list[int], dict[str, float]], list[int]],
-    measure: Callable[[ArchSpec], dict[str, float]],
+    measure: Callable[[ArchSpec], Any],
     rounds: int,
     grow_threshold: float | None = None,
     engine_name: str = "engine",
     log: Callable[[str], None] = print,
 ) -> tuple[list[int], list[dict[str, Any]]]:
-    """Measure the settled child in the engine (``measure(spec)`` -> metrics in the budget's units)
-    at most ``rounds + 1`` times:
+    """Measure the settled child in the engine at most ``rounds + 1`` times. ``measure(spec)`` gives the
+    metrics in the budget's units, or ``(metrics, budgets, info)``: the budgets in the units of that very
+    measurement (the child timed next to the parent: relative budgets against the parent measured in
+    the same rounds, so PASS / FAIL is a ratio and does not depend on the minute) and what to record.
+    ``budget`` (the table's units) stays the settle target's scale; only ``b_m / c_m`` crosses over:
 
     - a miss (measured ``c_m > b_m``) tightens that metric's predicted target to
       ``min(t_m, 0.99 * b_m * p_m / c_m)`` (``p_m`` the prediction: the table's error on this very
@@ -178,10 +181,11 @@ def verify_measured(
     last_pass: list[int] | None = None
     for r in range(rounds + 1):
         child = apply_choices(parent, decisions, choices).replace(name=f"{parent.name}-candidate{r}")
-        c, p = measure(child), predict(child)
-        over = {m: c[m] for m, b in budget.items() if c[m] > b}
+        got, p = measure(child), predict(child)
+        c, b_now, info = got if isinstance(got, tuple) else (got, budget, {})
+        over = {m: c[m] for m, b in b_now.items() if c[m] > b}
         room = (
-            grow_threshold is not None and not over and any(c[m] < b * (1 - grow_threshold) for m, b in budget.items())
+            grow_threshold is not None and not over and any(c[m] < b * (1 - grow_threshold) for m, b in b_now.items())
         )
         row: dict[str, Any] = {
             "round": r,
@@ -189,12 +193,19 @@ def verify_measured(
             "predicted": {m: p[m] for m in budget},
             "predicted_target": dict(target),
             "budget": dict(budget),
+            "budget_measured": dict(b_now),
             "pass": not over,
+            **info,
         }
         history.append(row)
+        ratio = info.get("ratio") or {}
         log(
             f"[search:verify] round {r}: measured in {engine_name} "
-            + ", ".join(f"{m} {c[m]:.4g} (predicted {p[m]:.4g}) / budget {b:.4g}" for m, b in budget.items())
+            + ", ".join(
+                f"{m} {c[m]:.4g} (predicted {p[m]:.4g}) / budget {b:.4g}"
+                + (f" [ratio to the parent {ratio[m]:.3f}]" if m in ratio else "")
+                for m, b in b_now.items()
+            )
             + (" -> over budget" if over else " PASS, room left: growing back" if room else " PASS")
         )
         if not over:
@@ -214,10 +225,10 @@ def verify_measured(
             break
         if over:
             for m in over:
-                target[m] = min(target[m], 0.99 * budget[m] * p[m] / c[m])
+                target[m] = min(target[m], 0.99 * b_now[m] * p[m] / c[m])
             row["action"] = "tightened " + ", ".join(over)
         else:
-            for m, b in budget.items():
+            for m, b in b_now.items():
                 target[m] = max(p[m], 0.99 * b * p[m] / c[m]) if c[m] > 0 else target[m]
             row["action"] = "calibrated targets on this measurement, grown back"
         try:

@@ -67,6 +67,41 @@ def measured_metrics(m: Any, wl: Any, spec: ArchSpec) -> dict[str, float]:
     }
 
 
+def reference_metrics(m: Any, wl: Any, parent: ArchSpec) -> dict[str, float] | None:
+    """The parent's metrics measured as the reference of ``m`` (in the same rounds), in the budget
+    metrics' names and units (memory summed over the parts ``m`` reports); ``None`` when ``m`` was
+    not timed against a reference."""
+    ref = getattr(m, "reference", None) or {}
+    if "decode_ms" not in ref or "prefill_ms" not in ref:
+        return None
+    from types import SimpleNamespace
+
+    mem, memory_parts = ref.get("memory") or {}, tuple(m.memory)
+    as_meas = SimpleNamespace(
+        prefill_ms=float(ref["prefill_ms"]),
+        decode_ms=float(ref["decode_ms"]),
+        memory_bytes=float(sum(mem.get(k, 0.0) for k in memory_parts)) if mem else float("nan"),
+    )
+    return measured_metrics(as_meas, wl, parent)
+
+
+def budgets_measured(
+    ctx: Context, m: Any, wl: Any, parent: ArchSpec, budget: dict[str, float]
+) -> tuple[dict[str, float], dict[str, float] | None]:
+    """The budgets in the units of measurement ``m``: relative ones against the parent timed in the same
+    rounds (so ``0.6x`` decode passes exactly when the measured ratio is at most 0.6), absolute ones as
+    given (they then compare with ``ratio x`` the parent's time now: converted through the reference
+    measured at check time). Without a reference: ``budget`` unchanged (absolute timing).
+    Returns (budgets, the parent's measured metrics or None)."""
+    from autocompress_nemo.costs.predictor import resolve_budget
+
+    ref = reference_metrics(m, wl, parent)
+    if ref is None:
+        return dict(budget), None
+    out = resolve_budget(ctx.cfg.target.budget, ref, int(ctx.cfg.target.workload.batch))
+    return {k: (v if v == v else budget[k]) for k, v in out.items()}, ref  # NaN: no memory read for the reference
+
+
 def numbers(d: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 

@@ -12,7 +12,7 @@ import torch
 from autocompress_nemo.arch.counts import param_count
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.context import Context, load_weights
-from autocompress_nemo.stages.common import budgets, load_table, measured_metrics, numbers
+from autocompress_nemo.stages.common import budgets, budgets_measured, load_table, measured_metrics, numbers
 from autocompress_nemo.stages.declare import DATA, LAYOUT, Stage, reads
 from autocompress_nemo.stages.layout import EvaluateDir, ExportDir, ProfileDir, ValidateDir
 from autocompress_nemo.utils.artifacts import write_json_atomic
@@ -172,10 +172,22 @@ def run(
     specs = [models[n][0].replace(name=n) for n in models]
     if engine.estimated:
         ctx.say("[evaluate] the target's engine is an analytic estimate: costs are estimated, not measured")
-    measured = engine.measure_many(specs, wl, log=lambda m: ctx.say(f"[evaluate] {m}"))
+    # the parent and every student timed next to the parent in the same rounds (costs/engines/paired.py)
+    measured = engine.measure_many(
+        specs, wl, log=lambda m: ctx.say(f"[evaluate] {m}"), reference=pspec.replace(name="parent")
+    )
     label = f"{engine.name} {engine.version()} on {engine.device()}" + (
         " (estimated, not measured)" if engine.estimated else ""
     )
+    b_now, ref = budgets_measured(ctx, measured[0], wl, pspec, budget)
+    if ref is not None:
+        results["timing"] = {
+            "method": "ratio to the parent timed in the same rounds; PASS / FAIL on the ratio",
+            "reference": {k: v for k, v in measured[0].reference.items() if k != "flags"},
+            "parent_measured": {k: ref[k] for k in budget},
+            "budgets_measured": b_now,
+            "flags": sorted({f for m in measured for f in m.flags}),
+        }
     for n, m in zip(models, measured, strict=True):
         meas = measured_metrics(m, wl, models[n][0])
         r = results["models"][n]
@@ -183,9 +195,20 @@ def run(
         r["measured_memory"] = m.memory
         r["measured_by"] = label
         r["spread"] = m.spread
+        if m.ratio:
+            r["ratio_to_parent"] = m.ratio
+            r["ratio_spread"] = m.ratio_spread
+            r["measured_absolute"] = m.absolute
+            r["flags"] = m.flags
         r["budget_check"] = {
-            k: {"budget": b, "measured": meas[k], "predicted": r["predicted"].get(k), "pass": bool(meas[k] <= b)}
-            for k, b in budget.items()
+            k: {
+                "budget": b_now[k],
+                "measured": meas[k],
+                "predicted": r["predicted"].get(k),
+                "pass": bool(meas[k] <= b_now[k]),
+                **({"ratio": meas[k] / ref[k], "budget_ratio": b_now[k] / ref[k]} if ref and ref.get(k) else {}),
+            }
+            for k in budget
         }
     import shutil
 
@@ -200,7 +223,9 @@ def run(
             + (f" (exported file in llama.cpp: {on_file['heldout_ppl']:.3f})" if on_file else "")
             + f" params {r['params']:,} "
             + " ".join(
-                f"{k} {c['measured']:.4g}/{c['budget']:.4g} {'PASS' if c['pass'] else 'FAIL'}"
+                f"{k} {c['measured']:.4g}/{c['budget']:.4g}"
+                + (f" (ratio to the parent {c['ratio']:.3f} vs {c['budget_ratio']:.3f})" if "ratio" in c else "")
+                + f" {'PASS' if c['pass'] else 'FAIL'}"
                 for k, c in r["budget_check"].items()
             )
         )

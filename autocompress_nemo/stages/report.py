@@ -23,6 +23,26 @@ def run(ctx: Context, run_: Any, methods: list[str], validation: ValidateDir | N
     return run_.dir / "report.md"
 
 
+def _timing(prov: dict[str, Any], val: dict[str, Any], methods: dict[str, Any], ev: dict[str, Any]) -> dict[str, Any]:
+    """The parent as timing reference in each timed stage (``costs/engines/paired.py``) and every flag."""
+    verify = {}
+    for m, rec in methods.items():
+        rows = rec["arch"].get("verified_in_engine") or []
+        if rows and rows[-1].get("reference"):
+            verify[METHODS.get(m, m)] = rows[-1]["reference"]
+    flags = [*(prov.get("reference") or {}).get("flags", []), *val.get("flags", []), *ev.get("flags", [])]
+    for rec in methods.values():
+        for r in rec["arch"].get("verified_in_engine") or []:
+            flags += r.get("flags", [])
+    return {
+        "profile": prov.get("reference"),
+        "validate": val.get("reference"),
+        "verify": verify,
+        "evaluate": ev.get("reference"),
+        "flags": sorted(set(flags)),
+    }
+
+
 def collect_results(ctx: Context, run_: Any, methods: list[str], validation: ValidateDir | None) -> dict[str, Any]:
     """Everything the report shows, read back from the artifacts of this run."""
     from autocompress_nemo.utils.artifacts import read_manifest
@@ -68,6 +88,7 @@ def collect_results(ctx: Context, run_: Any, methods: list[str], validation: Val
             }
     if validation is not None and validation.validation.is_file():
         res["validation"] = read_json(validation.validation)["summary"]
+    res["timing"] = _timing(prov, res.get("validation") or {}, res["methods"], ev.get("timing") or {})
     for p in sorted(d.iterdir()):
         m = read_manifest(p) if p.is_dir() else None
         if m:

@@ -16,6 +16,7 @@ from autocompress_nemo.context import Context, load_weights, read_json
 from autocompress_nemo.stages.common import (
     METHODS,
     budgets,
+    budgets_measured,
     judge_batches,
     load_table,
     measured_metrics,
@@ -294,11 +295,23 @@ def verify_measured(
         return choices, []
     wl = Workload.from_config(ctx.cfg.target.workload)
 
-    def measure(child: ArchSpec) -> dict[str, float]:
-        meas = [measured_metrics(engine.measure_many([child], wl)[0], wl, child) if is_rank0() else None]
+    def measure(child: ArchSpec) -> tuple[dict[str, float], dict[str, float], dict[str, Any]]:
+        """The child timed next to the parent in the same rounds: its metrics and the budgets in the
+        units of this very measurement (relative ones against the parent measured with it)."""
+        out: list[Any] = [None]
+        if is_rank0():
+            m = engine.measure_many([child], wl, reference=parent.replace(name="parent"))[0]
+            b_now, ref = budgets_measured(ctx, m, wl, parent, budget)
+            info = {k: getattr(m, k) for k in ("ratio", "ratio_spread", "flags") if getattr(m, k, None)}
+            if ref is not None:
+                info.update(
+                    parent_measured={k: ref[k] for k in budget},
+                    reference={k: v for k, v in m.reference.items() if k not in ("memory", "flags")},
+                )
+            out = [(measured_metrics(m, wl, child), b_now, info)]
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.broadcast_object_list(meas, src=0)
-        return meas[0]  # type: ignore[return-value]
+            torch.distributed.broadcast_object_list(out, src=0)
+        return out[0]  # type: ignore[return-value]
 
     try:
         return verify(

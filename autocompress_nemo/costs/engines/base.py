@@ -87,6 +87,18 @@ class Measurement:
     estimated: bool = False
     """True when no engine ran (roofline): every number is "estimated, not measured"."""
     wall_s: float = 0.0
+    ratio: dict[str, float] = field(default_factory=dict)
+    """Per phase: the median ratio to the reference timed in the same rounds (``paired.py``); empty
+    when no reference was timed. Then ``prefill_ms`` / ``decode_ms`` are ``ratio x scale``."""
+    ratio_spread: dict[str, dict[str, float]] = field(default_factory=dict)
+    absolute: dict[str, float] = field(default_factory=dict)
+    """The model's own timing statistic (the method without a reference), when a reference was timed."""
+    scale: dict[str, float] = field(default_factory=dict)
+    """The reference times the ratios are expressed in."""
+    reference: dict[str, Any] = field(default_factory=dict)
+    """The reference: name, its absolute times in this call, their variation between rounds, load average."""
+    flags: list[str] = field(default_factory=list)
+    """Why this measurement is not to be trusted blindly (a spread ratio, a reference that varied)."""
 
     @classmethod
     def from_samples(
@@ -230,9 +242,18 @@ class Engine:
         raise NotImplementedError
 
     def measure_many(
-        self, specs: list[ArchSpec], workload: Workload, *, rounds: int | None = None, log: Any = None
+        self,
+        specs: list[ArchSpec],
+        workload: Workload,
+        *,
+        rounds: int | None = None,
+        log: Any = None,
+        reference: ArchSpec | None = None,
+        scale: dict[str, float] | None = None,
     ) -> list[Measurement]:
-        """Measure several models (engines that can interleave rounds override this)."""
+        """Measure several models. Engines that interleave rounds override this and time every model
+        against ``reference`` (``paired.py``); here each model is measured alone and ``reference`` is
+        not timed (the results carry no ratio)."""
         return [self.measure(s, workload) for s in specs]
 
     def version(self) -> str:
@@ -283,3 +304,23 @@ class CpuTimedEngine(Engine):
         p = super().provenance()
         p.update(threads=self.threads(), clock=self.clock())
         return p
+
+    def schedule(self, rounds: int | None, min_steps: int) -> Any:
+        """Rounds, per-round prefills and decode steps, and the reference settings of one ``measure_many``."""
+        from autocompress_nemo.costs.engines.paired import Schedule
+
+        rounds = int(rounds or self.settings.rounds)
+        return Schedule(
+            rounds=rounds,
+            prefills=max(1, -(-int(self.cfg.repeats) // rounds)),
+            steps=max(min_steps, -(-self.timed_decode_steps() // rounds)),
+            chunk=int(self.settings.reference_chunk),
+            tolerance=float(self.settings.reference_tolerance),
+            percentile=float(self.cfg.percentile),
+        )
+
+    def uses_reference(self) -> bool:
+        r = str(self.settings.reference)
+        if r not in ("parent", "none"):
+            raise ValueError(f"engine.settings.reference={r!r}: use parent or none")
+        return r == "parent"

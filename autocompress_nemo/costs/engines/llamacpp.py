@@ -16,7 +16,10 @@ Timing (each timed call is ``llama_decode`` + ``llama_synchronize``, on the cloc
 
 Several models are measured in interleaved rounds (``measure_many``, ``engine.settings.rounds``,
 default 2): every round loads each model in turn and takes ``ceil(repeats / rounds)``
-prefills and ``ceil(decode_steps / rounds)`` decode steps.
+prefills and ``ceil(decode_steps / rounds)`` decode steps. With a reference (the parent,
+``engine.settings.reference``) loaded next to it for the whole call, every model sample is
+paired with the reference's samples on either side and stored as a ratio to it
+(``costs/engines/paired.py``: what keeps a table valid on a busy machine).
 
 Clock: with one thread llama.cpp computes on the calling thread, so the thread's CPU time
 (``time.thread_time``) is the latency the model would have on an unloaded core, while wall
@@ -146,21 +149,24 @@ class LlamaCppEngine(CpuTimedEngine):
         gguf_paths: list[str | Path | None] | None = None,
         timing: bool = True,
         log: Any = None,
+        reference: ArchSpec | None = None,
+        scale: dict[str, float] | None = None,
     ) -> list[Measurement]:
-        """Measure several models in interleaved rounds.
+        """Measure several models in interleaved rounds, each turn paired with ``reference`` when the
+        settings ask for one (``costs/engines/paired.py``).
 
         Each round loads every model in turn and takes a few samples; the statistic is taken
         over all rounds. Load on a shared machine comes in bursts: spreading one model's
         samples over time (and over the same windows as the others') keeps a burst from
-        biasing one model against another.
+        biasing one model against another, and the ratio to the reference timed next to each
+        sample takes the burst out.
         """
         from autocompress_nemo.export.gguf import write_gguf
 
-        rounds = int(rounds or self.settings.rounds)
         weights = weights or [None] * len(specs)
         given = gguf_paths or [None] * len(specs)
         paths: list[Path] = []
-        t0 = time.time()
+        written: list[Path] = []
         for i, spec in enumerate(specs):
             self.require_servable(spec)
             if given[i] is not None:
@@ -169,141 +175,149 @@ class LlamaCppEngine(CpuTimedEngine):
             p = self.workdir / f"m{i}_{spec.name or 'model'}.gguf"
             write_gguf(spec, p, weights[i], dtype=str(self.cfg.dtype), context_length=workload.context_len)
             paths.append(p)
-        raws: list[dict[str, list[float]]] = [{} for _ in specs]
-        mems: list[dict[str, float]] = [{} for _ in specs]
-        walls = [0.0] * len(specs)
-        per_round_p = max(1, -(-int(self.cfg.repeats) // rounds))
-        per_round_d = max(4, -(-self.timed_decode_steps() // rounds))
+            written.append(p)
+        open_reference = None
+        if reference is not None and timing and self.uses_reference():
+            rp = self.workdir / "reference.gguf"
+            write_gguf(reference, rp, None, dtype=str(self.cfg.dtype), context_length=workload.context_len)
+            written.append(rp)
+
+            def open_reference() -> _LlamaLive:
+                return _LlamaLive(self, rp, reference.vocab, workload, timing)
+
+        def open_model(i: int) -> _LlamaLive:
+            self.runs += 1
+            return _LlamaLive(self, paths[i], specs[i].vocab, workload, timing)
+
+        from autocompress_nemo.costs.engines.paired import measure_interleaved
+
         try:
-            for r in range(rounds):
-                order = list(range(len(specs)))
-                if r % 2:
-                    order.reverse()
-                for i in order:
-                    if log and rounds > 1:
-                        log(f"    round {r + 1}/{rounds}: {specs[i].name}")
-                    t = time.time()
-                    mem, raw = self._run(paths[i], specs[i].vocab, workload, timing, per_round_p, per_round_d)
-                    walls[i] += time.time() - t
-                    mems[i] = mems[i] or mem
-                    for k, v in raw.items():
-                        raws[i].setdefault(k, []).extend(v)
-                    self.runs += 1
+            out = measure_interleaved(
+                len(specs),
+                open_model,
+                self.schedule(rounds, 4),
+                open_reference=open_reference,
+                scale=scale,
+                timing=timing,
+                names=[s.name or f"model{i}" for i, s in enumerate(specs)],
+                log=log,
+            )
         finally:
-            for i, p in enumerate(paths):
-                if given[i] is None:
-                    p.unlink(missing_ok=True)
-        pct = float(self.cfg.percentile)
-        out = []
-        for i in range(len(specs)):
-            raw = raws[i] if timing else {}
-            mem = {k: mems[i].get(k, 0.0) for k in ("weights", "kv", "compute", "output")}
-            extra = {f"memory_{k}": [mems[i][k]] for k in ("k", "v") if k in mems[i]}
-            wall = walls[i] + (time.time() - t0 - sum(walls)) / len(specs)
-            out.append(Measurement.from_samples(raw, pct, mem, extra, wall))
+            for p in written:
+                p.unlink(missing_ok=True)
+        for m in out:
+            parts = m.memory
+            m.memory = {k: parts.get(k, 0.0) for k in ("weights", "kv", "compute", "output")}
+            m.raw.update({f"memory_{k}": [parts[k]] for k in ("k", "v") if k in parts})
         return out
 
-    def _run(
-        self, path: Path, vocab: int, wl: Workload, timing: bool, prefill_repeats: int, decode_steps: int
-    ) -> tuple[dict[str, float], dict[str, list[float]]]:
+
+class _LlamaLive:
+    """One GGUF loaded in llama.cpp with its context: memory from the load log, timed prefills and decode steps."""
+
+    def __init__(self, engine: LlamaCppEngine, path: Path, vocab: int, wl: Workload, timing: bool) -> None:
         import llama_cpp as L
 
+        self.L, self.engine, self.vocab, self.wl = L, engine, vocab, wl
         _install_log_capture()
         L.llama_backend_init()
         _LOG.clear()
         mp = L.llama_model_default_params()
-        model = L.llama_model_load_from_file(str(path).encode(), mp)
-        if not model:
+        self.model = L.llama_model_load_from_file(str(path).encode(), mp)
+        if not self.model:
             raise RuntimeError(f"llama.cpp failed to load {path}:\n{''.join(_LOG)[-2000:]}")
         cp = L.llama_context_default_params()
         cp.n_ctx = wl.context_len * wl.batch  # llama.cpp shares n_ctx cells among the sequences
         cp.n_seq_max = wl.batch
-        cp.n_batch = max(self.settings.n_batch, wl.input_len * wl.batch)
-        cp.n_ubatch = self.settings.n_ubatch
-        cp.n_threads = cp.n_threads_batch = self.threads()
-        cp.flash_attn_type = 1 if self.cfg.flash_attn else 0
-        cp.type_k = cp.type_v = _ggml_type(str(self.cfg.kv_dtype))
+        self.n_batch = max(engine.settings.n_batch, wl.input_len * wl.batch)
+        cp.n_batch = self.n_batch
+        cp.n_ubatch = engine.settings.n_ubatch
+        cp.n_threads = cp.n_threads_batch = engine.threads()
+        cp.flash_attn_type = 1 if engine.cfg.flash_attn else 0
+        cp.type_k = cp.type_v = _ggml_type(str(engine.cfg.kv_dtype))
         cp.no_perf = True
-        ctx = L.llama_init_from_model(model, cp)
-        if not ctx:
-            L.llama_model_free(model)
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            L.llama_model_free(self.model)
             raise RuntimeError(f"llama.cpp failed to create a context for {path}:\n{''.join(_LOG)[-2000:]}")
-        memory = parse_memory_log("".join(_LOG))
-        raw: dict[str, list[float]] = {}
-        try:
-            if timing:
-                raw = self._time(L, ctx, vocab, wl, prefill_repeats, decode_steps)
-        finally:
-            L.llama_free(ctx)
-            L.llama_model_free(model)
-        return memory, raw
+        self.memory = parse_memory_log("".join(_LOG))
+        self.mem = L.llama_get_memory(self.ctx)
+        self.batch = L.llama_batch_init(self.n_batch, 0, wl.batch) if timing else None
+        self.rng = np.random.default_rng(0)
+        self.cpu_clock = engine.clock() == "thread_cpu"
+        self.warm_prefill = True
+        self.decode_ready = False
+        self.c = engine.decode_context(wl)
 
-    def _time(self, L: Any, ctx: Any, vocab: int, wl: Workload, repeats: int, steps: int) -> dict[str, list[float]]:
-        rng = np.random.default_rng(0)
-        mem = L.llama_get_memory(ctx)
-        n_batch = max(self.settings.n_batch, wl.input_len * wl.batch)
-        batch = L.llama_batch_init(n_batch, 0, wl.batch)
+    def close(self) -> None:
+        L = self.L
+        if self.batch is not None:
+            L.llama_batch_free(self.batch)
+            self.batch = None
+        if self.ctx:
+            L.llama_free(self.ctx)
+            L.llama_model_free(self.model)
+            self.ctx = None
 
-        wall: dict[str, list[float]] = {"prefill_ms": [], "decode_ms": []}
-        cpu_clock = self.clock() == "thread_cpu"
+    def _run(self, tokens: list[tuple[int, int, int, bool]]) -> tuple[float, float]:
+        """One ``llama_decode`` + ``llama_synchronize``: (clock ms, wall ms)."""
+        L, batch = self.L, self.batch
+        batch.n_tokens = len(tokens)
+        for j, (tok, pos, seq, logit) in enumerate(tokens):
+            batch.token[j] = tok
+            batch.pos[j] = pos
+            batch.n_seq_id[j] = 1
+            batch.seq_id[j][0] = seq
+            batch.logits[j] = logit
+        c = time.thread_time()
+        t = time.perf_counter()
+        rc = L.llama_decode(self.ctx, batch)
+        L.llama_synchronize(self.ctx)
+        dt = (time.perf_counter() - t) * 1e3
+        dc = (time.thread_time() - c) * 1e3
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}:\n{''.join(_LOG)[-1500:]}")
+        return (dc if self.cpu_clock else dt), dt
 
-        def run(tokens: list[tuple[int, int, int, bool]], key: str | None = None) -> float:
-            batch.n_tokens = len(tokens)
-            for j, (tok, pos, seq, logit) in enumerate(tokens):
-                batch.token[j] = tok
-                batch.pos[j] = pos
-                batch.n_seq_id[j] = 1
-                batch.seq_id[j][0] = seq
-                batch.logits[j] = logit
-            c = time.thread_time()
-            t = time.perf_counter()
-            rc = L.llama_decode(ctx, batch)
-            L.llama_synchronize(ctx)
-            dt = (time.perf_counter() - t) * 1e3
-            dc = (time.thread_time() - c) * 1e3
-            if rc != 0:
-                raise RuntimeError(f"llama_decode returned {rc}:\n{''.join(_LOG)[-1500:]}")
-            if key:
-                wall[key].append(dt)
-            return dc if cpu_clock else dt
+    def _prompt(self, n: int, start: int = 0, seqs: int = 1) -> list[tuple[int, int, int, bool]]:
+        toks = self.rng.integers(0, self.vocab, size=n)
+        return [(int(toks[p - start]), p, s, p == start + n - 1) for s in range(seqs) for p in range(start, start + n)]
 
-        def prompt(n: int, start: int = 0, seqs: int = 1) -> list[tuple[int, int, int, bool]]:
-            toks = rng.integers(0, vocab, size=n)
-            return [
-                (int(toks[p - start]), p, s, p == start + n - 1) for s in range(seqs) for p in range(start, start + n)
-            ]
+    def prefill(self, n: int) -> list[tuple[float, float]]:
+        """``n`` timed prefills of ``batch`` prompts of ``input_len`` random tokens (fresh cache each; one
+        untimed warm-up the first time)."""
+        out = []
+        for r in range(n + (1 if self.warm_prefill else 0)):
+            self.L.llama_memory_clear(self.mem, True)
+            dt = self._run(self._prompt(self.wl.input_len, 0, self.wl.batch))
+            if r or not self.warm_prefill:
+                out.append(dt)
+        self.warm_prefill = False
+        self.decode_ready = False
+        return out
 
-        try:
-            prefill: list[float] = []
-            for r in range(repeats + 1):
-                L.llama_memory_clear(mem, True)
-                dt = run(prompt(wl.input_len, 0, wl.batch), "prefill_ms" if r else None)
-                if r:
-                    prefill.append(dt)
-            # fill to the decode context C, then time steps at position C
-            c = self.decode_context(wl)
-            L.llama_memory_clear(mem, True)
-            for start in range(0, c, n_batch):
-                run(prompt(min(n_batch, c - start), start, 1))
+    def decode(self, n: int) -> list[tuple[float, float]]:
+        """``n`` timed decode steps at position ``C`` (the cache filled to ``C`` first, untimed, then
+        ``decode_warmup`` untimed steps); each step's token is removed again."""
+        L, wl, c = self.L, self.wl, self.c
+        warm = 0
+        if not self.decode_ready:
+            L.llama_memory_clear(self.mem, True)
+            for start in range(0, c, self.n_batch):
+                self._run(self._prompt(min(self.n_batch, c - start), start, 1))
             for s in range(1, wl.batch):
-                L.llama_memory_seq_cp(mem, 0, s, -1, -1)
-            warm = self.settings.decode_warmup
-            decode: list[float] = []
-            for step in range(steps + warm):
-                toks = rng.integers(0, vocab, size=wl.batch)
-                dt = run([(int(toks[s]), c, s, True) for s in range(wl.batch)], "decode_ms" if step >= warm else None)
-                for s in range(wl.batch):
-                    L.llama_memory_seq_rm(mem, s, c, -1)
-                if step >= warm:
-                    decode.append(dt)
-        finally:
-            L.llama_batch_free(batch)
-        return {
-            "prefill_ms": prefill,
-            "decode_ms": decode,
-            "prefill_wall_ms": wall["prefill_ms"],
-            "decode_wall_ms": wall["decode_ms"],
-        }
+                L.llama_memory_seq_cp(self.mem, 0, s, -1, -1)
+            warm = self.engine.settings.decode_warmup
+            self.decode_ready = True
+        out = []
+        for step in range(n + warm):
+            toks = self.rng.integers(0, self.vocab, size=wl.batch)
+            dt = self._run([(int(toks[s]), c, s, True) for s in range(wl.batch)])
+            for s in range(wl.batch):
+                L.llama_memory_seq_rm(self.mem, s, c, -1)
+            if step >= warm:
+                out.append(dt)
+        return out
 
 
 def _ggml_type(name: str) -> int:

@@ -231,64 +231,65 @@ class TorchEagerEngine(CpuTimedEngine):
         weights: list[dict[str, Any] | None] | None = None,
         timing: bool = True,
         log: Any = None,
+        reference: ArchSpec | None = None,
+        scale: dict[str, float] | None = None,
     ) -> list[Measurement]:
-        """Measure several models in interleaved rounds (see the module docstring).
+        """Measure several models in interleaved rounds (see the module docstring), each turn paired
+        with ``reference`` when the settings ask for one (``costs/engines/paired.py``).
 
         The models of a group (as many as fit ``settings.hold_bytes`` of weights, default 2 GiB)
         are built once and kept; each round gives every model of the group its turn of
-        ``ceil(repeats / rounds)`` prefills and ``ceil(decode_steps / rounds)`` decode steps (each turn
-        after ``decode_warmup`` untimed steps, so its weights are cache-warm as in a lone run).
+        ``ceil(repeats / rounds)`` prefills and ``ceil(decode_steps / rounds)`` decode steps (the first
+        turn after ``decode_warmup`` untimed steps, so its weights are cache-warm as in a lone run).
         Many short rounds spread slow drift of a shared machine over all models alike."""
+        from autocompress_nemo.costs.engines.paired import measure_interleaved
         from autocompress_nemo.models.hybrid.state_dict import random_hf_state_dict
 
-        rounds = int(rounds or self.settings.rounds)
         weights = weights or [None] * len(specs)
         for s in specs:
             self.require_servable(s)
-        per_round_p = max(1, -(-int(self.cfg.repeats) // rounds))
-        per_round_d = max(2, -(-self.timed_decode_steps() // rounds))
-        raws: list[dict[str, list[float]]] = [{} for _ in specs]
-        mems: list[dict[str, float]] = [{} for _ in specs]
-        walls = [0.0] * len(specs)
+        cpu_clock = self.clock() == "thread_cpu"
         old_threads = torch.get_num_threads()
         torch.set_num_threads(self.threads())
+
+        def build(spec: ArchSpec, sd: Any, mn: Any) -> _Live:
+            sd = random_hf_state_dict(spec, seed=0) if sd is None else sd
+            sd = {k: torch.as_tensor(v) for k, v in sd.items()}
+            model = hf_eager_model(spec, sd, mn, self.settings.attn_implementation, self._dtype())
+            return _Live(model, spec, workload, self, cpu_clock)
+
         try:
             with torch_mamba_ops() as mn, torch.inference_mode():
-                for group in self._groups(specs):
-                    live: dict[int, _Live] = {}
-                    for i in group:
-                        t = time.time()
-                        sd = weights[i]
-                        if sd is None:
-                            sd = random_hf_state_dict(specs[i], seed=0)
-                        sd = {k: torch.as_tensor(v) for k, v in sd.items()}
-                        model = hf_eager_model(specs[i], sd, mn, self.settings.attn_implementation, self._dtype())
-                        live[i] = _Live(model, specs[i], workload, self, self.clock() == "thread_cpu")
-                        mems[i] = live[i].memory
-                        walls[i] += time.time() - t
-                    for r in range(rounds if timing else 0):
-                        for i in group[:: -1 if r % 2 else 1]:
-                            if log and rounds > 1:
-                                log(f"    round {r + 1}/{rounds}: {specs[i].name}")
-                            t = time.time()
-                            for k, v in live[i].turn(per_round_p, per_round_d, first=r == 0).items():
-                                raws[i].setdefault(k, []).extend(v)
-                            walls[i] += time.time() - t
-                            self.runs += 1
-                    if not timing:
-                        self.runs += len(group)
-                    for i in group:
-                        mems[i] = {**live[i].memory, "kv_at_decode_context": live[i].kv_bytes()}
-                    del live
+
+                def open_model(i: int) -> _Live:
+                    self.runs += 1
+                    return build(specs[i], weights[i], mn)
+
+                open_reference = None
+                if reference is not None and timing and self.uses_reference():
+                    self.require_servable(reference)
+
+                    def open_reference() -> _Live:
+                        return build(reference, None, mn)
+
+                out = measure_interleaved(
+                    len(specs),
+                    open_model,
+                    self.schedule(rounds, 2),
+                    open_reference=open_reference,
+                    scale=scale,
+                    keep=True,
+                    groups=self._groups(specs),
+                    timing=timing,
+                    names=[s.name or f"model{i}" for i, s in enumerate(specs)],
+                    log=log,
+                )
         finally:
             torch.set_num_threads(old_threads)
-        pct = float(self.cfg.percentile)
-        out = []
-        for i in range(len(specs)):
-            raw = raws[i] if timing else {}
-            mem = {k: mems[i].get(k, 0.0) for k in ("weights", "kv", "state", "compute", "output")}
-            extra = {f"memory_{k}": [v] for k, v in mems[i].items() if k not in mem}
-            out.append(Measurement.from_samples(raw, pct, mem, extra, walls[i]))
+        for m in out:
+            parts = m.memory
+            m.memory = {k: parts.get(k, 0.0) for k in ("weights", "kv", "state", "compute", "output")}
+            m.raw.update({f"memory_{k}": [v] for k, v in parts.items() if k not in m.memory})
         return out
 
     def _groups(self, specs: list[ArchSpec]) -> list[list[int]]:
@@ -324,15 +325,17 @@ class _Live:
         self.model, self.spec, self.wl, self.cpu_clock = model, spec, wl, cpu_clock
         self.gen = torch.Generator().manual_seed(0)
         self.warm = engine.settings.decode_warmup
+        self.warm_prefill = True
         self.c = engine.decode_context(wl)
         _, self.cache = self._fwd(self._toks(self.c), None)
-        _, state = _cache_bytes(self.cache)
+        kv_now, state = _cache_bytes(self.cache)
         self.memory: dict[str, float] = {
             "weights": float(sum(p.numel() * p.element_size() for p in model.parameters())),
             "kv": cmem.kv_cache_bytes(spec, wl.context_len, wl.batch, str(engine.cfg.kv_dtype)),
             "state": state,
             "compute": 0.0,
             "output": float(cmem.output_buffer_bytes(spec.vocab, wl.batch)),
+            "kv_at_decode_context": kv_now,
         }
 
     def _toks(self, n: int) -> torch.Tensor:
@@ -349,21 +352,31 @@ class _Live:
     def kv_bytes(self) -> float:
         return _cache_bytes(self.cache)[0]
 
-    def turn(self, repeats: int, steps: int, first: bool) -> dict[str, list[float]]:
+    def prefill(self, n: int) -> list[tuple[float, float]]:
+        """``n`` timed prefills of ``batch x input_len`` (fresh cache each; one untimed warm-up the first time)."""
+        out = []
+        for r in range(n + (1 if self.warm_prefill else 0)):
+            t, _ = self._fwd(self._toks(self.wl.input_len), None)
+            if r or not self.warm_prefill:
+                out.append(t)
+        self.warm_prefill = False
+        return out
+
+    def decode(self, n: int) -> list[tuple[float, float]]:
+        """``n`` timed decode steps at context ``C`` (``decode_warmup`` untimed ones the first time);
+        each step's token is cropped from the attention KV cache again."""
         from transformers.cache_utils import DynamicLayer
 
-        raw: dict[str, list[float]] = {"prefill_ms": [], "decode_ms": [], "prefill_wall_ms": [], "decode_wall_ms": []}
-        for r in range(repeats + (1 if first else 0)):
-            (dt, wall), _ = self._fwd(self._toks(self.wl.input_len), None)
-            if r or not first:
-                raw["prefill_ms"].append(dt)
-                raw["prefill_wall_ms"].append(wall)
-        for step in range(steps + self.warm):
-            (dt, wall), self.cache = self._fwd(self._toks(1), self.cache, past=self.c)
+        out = []
+        for step in range(n + self.warm):
+            t, self.cache = self._fwd(self._toks(1), self.cache, past=self.c)
             for layer in self.cache.layers:
                 if isinstance(layer, DynamicLayer) and layer.is_initialized:
                     layer.crop(-1)
             if step >= self.warm:
-                raw["decode_ms"].append(dt)
-                raw["decode_wall_ms"].append(wall)
-        return raw
+                out.append(t)
+        self.warm = 0
+        return out
+
+    def close(self) -> None:
+        self.model = self.cache = None

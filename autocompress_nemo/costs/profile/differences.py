@@ -68,7 +68,12 @@ def hybrid_differences(
         f"[profile] hybrid: {len(specs)} profiling models (parent + {k} copies of each of {len(jobs)} block options); "
         f"engine {engine.name} ({engine.version()}), workload {workload}"
     )
-    results = engine.measure_many(specs, workload, log=progress(log, len(specs) * engine.settings.rounds, time.time()))
+    results = engine.measure_many(
+        specs,
+        workload,
+        log=progress(log, len(specs) * engine.settings.rounds, time.time()),
+        reference=parent.replace(name="parent"),
+    )
     base = results[0]
     slope = {
         n: {p: (getattr(m, p) - getattr(base, p)) / k for p in PHASES}

@@ -189,7 +189,9 @@ def hybrid_fit(
         f"[profile] hybrid fit: {len(specs)} profiling models (parent + {len(specs) - 1} balanced children of the "
         f"search space) for {n_unknowns} unknowns; engine {engine.name} ({engine.version()}), workload {workload}"
     )
-    results = engine.measure_many(specs, workload, log=progress(log, len(specs) * s.rounds, time.time()))
+    results = engine.measure_many(
+        specs, workload, log=progress(log, len(specs) * s.rounds, time.time()), reference=parent.replace(name="parent")
+    )
     fits = {p: fit_costs(counts, np.array([getattr(m, p) for m in results])) for p in PHASES}
     intercept = {p: fits[p].intercept for p in PHASES}
     blocks = [

@@ -26,7 +26,7 @@ from autocompress_nemo.costs.memory import conv_extra_columns, weight_bytes
 from autocompress_nemo.costs.profile.differences import hybrid_differences
 from autocompress_nemo.costs.profile.fit import hybrid_fit
 from autocompress_nemo.costs.profile.grid import profile_options
-from autocompress_nemo.costs.profile.provenance import table_provenance
+from autocompress_nemo.costs.profile.provenance import reference_record, table_provenance
 from autocompress_nemo.costs.table import PHASES, CostTable, spec_hash
 
 METHODS = ("fit", "differences")
@@ -82,6 +82,7 @@ def build_hybrid_table(
         t_start,
         settings,
         profile_model_hashes=sorted({spec_hash(s) for s in specs}),
+        **reference_record(results),
         **extra,
     )
     log(

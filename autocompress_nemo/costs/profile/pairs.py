@@ -46,7 +46,7 @@ from autocompress_nemo.config.engine import capabilities_of
 from autocompress_nemo.costs.engines.base import Engine, Measurement, Workload
 from autocompress_nemo.costs.memory import kv_cache_bytes, weight_bytes
 from autocompress_nemo.costs.profile.grid import dense_options
-from autocompress_nemo.costs.profile.provenance import run_row, table_provenance
+from autocompress_nemo.costs.profile.provenance import reference_record, run_row, table_provenance
 from autocompress_nemo.costs.table import PHASES, CostTable
 
 Layer = tuple[AttentionBlock, MlpBlock]
@@ -153,7 +153,7 @@ def build_pairs_table(
             f"({total - done[0]} runs remain, ~{el / done[0] * (total - done[0]):.0f} s left)"
         )
 
-    results = engine.measure_many(specs, workload, log=progress)
+    results = engine.measure_many(specs, workload, log=progress, reference=parent.replace(name="parent"))
     meas: dict[str, Measurement] = {}
     runs: list[dict[str, Any]] = []
     for (name, x, k), m, sp in zip(jobs, results, specs, strict=True):
@@ -203,7 +203,9 @@ def build_pairs_table(
     seen = [m.memory.get("compute", 0.0) for m in results] + list(memory["compute_range"])
     memory["compute_range"] = [min(seen), max(seen)]  # over profiling models and probes
     return CostTable(
-        provenance=table_provenance(engine, workload, parent, len(jobs), t_start, settings),
+        provenance=table_provenance(
+            engine, workload, parent, len(jobs), t_start, settings, **reference_record(results)
+        ),
         parent=parent,
         intercept=intercept,
         layer_overhead=c_empty,

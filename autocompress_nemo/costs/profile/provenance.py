@@ -17,7 +17,7 @@ from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.costs.engines.base import Measurement
 from autocompress_nemo.costs.table import MEASURED_SETTINGS, expected_settings, make_provenance
 
-__all__ = ["MEASURED_SETTINGS", "expected_settings", "progress", "run_row", "table_provenance"]
+__all__ = ["MEASURED_SETTINGS", "expected_settings", "progress", "reference_record", "run_row", "table_provenance"]
 
 
 def table_provenance(
@@ -57,8 +57,8 @@ def progress(log: Callable[[str], None], total: int, t_start: float) -> Callable
 
 
 def run_row(s: ArchSpec, m: Measurement, **extra: Any) -> dict[str, Any]:
-    """One profiling run as the table's ``runs`` keep it."""
-    return {
+    """One profiling run as the table's ``runs`` keep it (with its ratio to the reference when one was timed)."""
+    row = {
         "name": s.name,
         **extra,
         "prefill_ms": m.prefill_ms,
@@ -67,4 +67,20 @@ def run_row(s: ArchSpec, m: Measurement, **extra: Any) -> dict[str, Any]:
         "raw": m.raw,
         "spread": m.spread,
         "wall_s": round(m.wall_s, 3),
+    }
+    if m.ratio:
+        row.update(ratio=m.ratio, ratio_spread=m.ratio_spread, absolute=m.absolute, flags=m.flags)
+    return row
+
+
+def reference_record(results: list[Measurement]) -> dict[str, Any]:
+    """What the table keeps about the reference its times are ratios to: its absolute times and their
+    variation between rounds, the load average, and every flagged measurement (empty: no reference)."""
+    ref = next((m.reference for m in results if m.reference), None)
+    if not ref:
+        return {}
+    flags = sorted({f for m in results for f in m.flags})
+    return {
+        "reference": {**ref, "flags": flags},
+        "timing": f"ratio to the {ref['name']} timed in the same rounds x the {ref['name']}'s time in this profile",
     }
