@@ -131,9 +131,17 @@ def gguf_spec(path: str | os.PathLike[str]) -> ArchSpec:
             f"directory with model=hf (model_type: {_supported_hf()})"
         )
     try:
-        return read_gguf_spec(reader, p).replace(name=p.stem)
+        spec = read_gguf_spec(reader, p)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFileError(f"{p}: GGUF metadata ({arch}) cannot be read: {e}") from None
+    # GGUF stores these as float32: 1e-5 comes back as 9.9999997e-06; keep the number that was written
+    return spec.replace(name=p.stem, norm_eps=_f32(spec.norm_eps), rope_theta=_f32(spec.rope_theta))
+
+
+def _f32(x: float) -> float:
+    import numpy as np
+
+    return float(str(np.float32(x)))
 
 
 def gguf_dtype(path: str | os.PathLike[str]) -> str:
