@@ -36,6 +36,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from autocompress_nemo.config.own_model import fill_model_from_file
 from autocompress_nemo.config.resolve import CONF_DIR, available
 from autocompress_nemo.config.store import register_configs
 from autocompress_nemo.config.validate import ConfigError, validate
@@ -137,17 +138,20 @@ def compose(overrides: Sequence[str] | None = None) -> DictConfig:
     ``conf/`` with Hydra's compose API. Not validated: call ``validate(cfg)``.
 
     Raises :class:`ConfigError` for an unknown group choice or a composition error (a key the
-    schema does not have, a value of the wrong type).
+    schema does not have, a value of the wrong type), and for a ``model=hf`` / ``model=gguf`` parent
+    whose shape cannot be read from its own files (``own_model.py``; read ones are filled in).
     """
     args = normalize_overrides(list(overrides or []))
     check_choices(args)
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="autocompress"):
         try:
-            return hydra.compose(config_name=CONFIG_NAME, overrides=args)
+            cfg = hydra.compose(config_name=CONFIG_NAME, overrides=args)
         except (HydraException, OmegaConfBaseException) as e:
             cause = f"\n{e.__cause__}" if e.__cause__ is not None and str(e.__cause__) not in str(e) else ""
             raise ConfigError([_first_lines(str(e) + cause)]) from None
+    fill_model_from_file(cfg, args)  # model=hf / model=gguf: the shape from the parent's own files
+    return cfg
 
 
 def hydra_entry(task_fn: Callable[[DictConfig], Any], lock_run_dir: bool = False) -> Callable[[], Any]:
@@ -177,6 +181,10 @@ def hydra_entry(task_fn: Callable[[DictConfig], Any], lock_run_dir: bool = False
         @hydra.main(config_path=str(CONF_DIR), config_name=CONFIG_NAME, version_base="1.3")
         def _run(cfg: DictConfig) -> Any:
             try:
+                from hydra.core.hydra_config import HydraConfig
+
+                hc = HydraConfig.get()
+                fill_model_from_file(cfg, list(hc.overrides.task), hc.runtime.choices.get("model"))
                 validate(cfg)
             except ConfigError as e:
                 _fail(e)

@@ -5,10 +5,12 @@
   three minutes later in the dequantizer); the shape (hidden, layers, vocab) is compared with the
   model config.
 - **safetensors** (Hugging Face directories): each file's header parses and its tensors lie inside it.
-- **data** (``data.kind=files``): every file is text (no NUL bytes in its first 64 KB), a file given
-  directly is not empty, the split leaves documents on both sides, and both sides hold enough
-  text for the sequence lengths the chosen stages use (at most one token per byte plus one
-  end-of-document token per document: a corpus below that bound certainly has too few tokens).
+- **data** (``data.kind=files``): every text file is text (no NUL bytes in its first 64 KB; Parquet
+  files and saved datasets are binary by design and are read instead), a file given directly is not
+  empty, the split leaves documents on both sides, and both sides hold enough text for the sequence
+  lengths the chosen stages use (at most one token per byte plus one end-of-document token per
+  document: a corpus below that bound certainly has too few tokens). ``data.kind=megatron``: the
+  blend is well formed and every prefix has its ``.bin`` and ``.idx``.
 
 Each problem names the field, the value and the fix.
 """
@@ -22,7 +24,6 @@ from typing import Any
 
 _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _MEMO: dict[tuple[str, int, int], dict[str, Any]] = {}
-BINARY_PROBE = 1 << 16
 FULL_CHECK_BYTES = 256 << 20
 """Corpora up to this size are split into documents at validation (the held-out check)."""
 
@@ -195,18 +196,45 @@ def safetensors_problems(directory: Path, where: str) -> list[str]:
 
 
 # -- data -------------------------------------------------------------------------------------------
-def _is_binary(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return b"\0" in f.read(BINARY_PROBE)
+def _megatron_problems(d: dict[str, Any]) -> list[str]:
+    from autocompress_nemo.data.corpus import DataError
+    from autocompress_nemo.data.indexed import blend_of, prefix_of
+
+    try:
+        blend = blend_of(d)
+    except DataError as e:
+        return [str(e)]
+    if not blend:
+        return ["data.kind=megatron needs data.blend=[w1,prefix1,w2,prefix2] (or data.paths=[prefix])"]
+    return [
+        f"data.blend: {prefix_of(given)}{s} does not exist; give the prefix preprocess_data.py wrote "
+        f"({prefix_of(given).name}.bin and .idx), without the suffix"
+        for _, given in blend
+        for s in (".idx", ".bin")
+        if not Path(f"{prefix_of(given)}{s}").is_file()
+    ]
 
 
 def data_problems(c: dict[str, Any]) -> list[str]:
     """Problems of ``data.kind=files`` for the stages ``c`` runs (see the module docstring)."""
-    from autocompress_nemo.data.corpus import DataError, listed_files, load_documents, split_documents
+    from autocompress_nemo.data.corpus import (
+        BINARY_FORMATS,
+        DataError,
+        binary_message,
+        is_binary,
+        listed_files,
+        load_documents,
+        split_documents,
+    )
+    from autocompress_nemo.data.records import is_saved_dataset
 
     d = c.get("data") or {}
     stages = set(c.get("stages") or [])
-    if d.get("kind") != "files" or not stages & {"rank", "search", "extract", "distill", "evaluate", "export"}:
+    if not stages & {"rank", "search", "extract", "distill", "evaluate", "export"}:
+        return []
+    if d.get("kind") == "megatron":
+        return _megatron_problems(d)
+    if d.get("kind") != "files":
         return []
     p: list[str] = []
     files: list[Path] = []
@@ -216,19 +244,23 @@ def data_problems(c: dict[str, Any]) -> list[str]:
             continue  # named by _check_data
         listed = listed_files(base)
         if base.is_dir() and not listed:
-            p.append(f"data.paths: {base} holds no text files (.txt .md .rst .py .jsonl); give a directory of text")
+            p.append(
+                f"data.paths: {base} holds no text files (.txt .md .rst .py .jsonl .parquet); give a directory of text"
+            )
+        if is_saved_dataset(base):
+            continue  # read (and checked) as a dataset below
         if base.is_file() and base.stat().st_size == 0:
             p.append(f"data.paths: {base} is empty (0 bytes); give a file with text")
             continue
         files += listed
     for f in files:
         try:
-            if _is_binary(f):
-                p.append(
-                    f"data.paths: {f} is binary, not text (NUL bytes in its first 64 KB); remove it from data.paths"
-                )
+            if f.suffix not in BINARY_FORMATS and is_binary(f):
+                p.append(binary_message(f))
         except OSError as e:
             p.append(f"data.paths: {f} cannot be read ({e.strerror}); fix its permissions or remove it")
+    datasets = [Path(str(g)).expanduser() for g in d.get("paths") or []]
+    files += [f for g in datasets if is_saved_dataset(g) for f in listed_files(g)]
     if p or not files or sum(f.stat().st_size for f in files) > FULL_CHECK_BYTES:
         return p
     try:

@@ -223,12 +223,18 @@ class DistillConfig:
 class DataConfig:
     name: str = "stdlib"
     kind: str = "stdlib"
-    """``stdlib`` (the Python standard library's sources), ``files`` (paths below)."""
+    """``stdlib`` (the Python standard library's sources), ``files`` (paths below), ``megatron``
+    (Megatron indexed ``.bin``/``.idx`` datasets, already tokenized: ``blend`` below)."""
     paths: list[str] = field(default_factory=list)
-    """Files or directories of .txt / .jsonl / source files (``files`` kind)."""
+    """``files``: files or directories of .txt / .md / .py / .jsonl / .parquet files, and directories
+    written by ``datasets.Dataset.save_to_disk``. ``megatron``: dataset prefixes (equal weights)."""
     jsonl_field: str = "text"
+    """The text's field: the key of a JSONL line, the column of a Parquet file or saved dataset."""
+    blend: list[Any] = field(default_factory=list)
+    """``megatron``: ``[w1, prefix1, w2, prefix2, ...]``, each prefix's share of the tokens
+    (``data/indexed.py``)."""
     holdout_fraction: float = 0.05
-    """Fraction of documents held out for evaluation (deterministic by path hash)."""
+    """Fraction of documents held out for evaluation (deterministic: a stable hash of the document id)."""
     heldout_files: list[str] = field(default_factory=list)
     """Named documents always held out (relative paths), on top of the fraction."""
     max_documents: int = 0

@@ -24,8 +24,11 @@ _registered = False
 
 
 def register_configs() -> None:
-    """Store ``run_schema`` (idempotent)."""
+    """Store ``run_schema`` and register the config resolvers (idempotent)."""
     global _registered
+    from autocompress_nemo.config.own_model import register_resolvers
+
+    register_resolvers()
     if _registered:
         return
     ConfigStore.instance().store(name=RUN_SCHEMA, node=RunConfig)

@@ -366,8 +366,8 @@ def _check_distill(c: dict, m: dict, t: dict) -> list[str]:
 def _check_data(c: dict, m: dict, t: dict) -> list[str]:
     d = c.get("data") or {}
     p: list[str] = []
-    if d.get("kind") not in ("stdlib", "files"):
-        p.append(f"data.kind={d.get('kind')!r} is unknown; use stdlib or files")
+    if d.get("kind") not in ("stdlib", "files", "megatron"):
+        p.append(f"data.kind={d.get('kind')!r} is unknown; use stdlib, files or megatron")
     if d.get("kind") == "files":
         if not d.get("paths"):
             p.append("data.kind=files needs data.paths, e.g. 'data.paths=[/data/corpus]'")

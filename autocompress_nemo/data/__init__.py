@@ -28,7 +28,7 @@ from autocompress_nemo.data.corpus import (
     stdlib_files,
 )
 from autocompress_nemo.data.packing import Batch, PackedDataset
-from autocompress_nemo.data.tokens import cached_tokenize, tokenize, tokenizer_fingerprint
+from autocompress_nemo.data.tokens import cached_tokenize, eos_id_of, tokenize, tokenizer_fingerprint
 
 __all__ = [
     "Batch",
@@ -59,10 +59,10 @@ class Corpus:
     heldout_offsets: np.ndarray
 
     def train(self, seq_len: int) -> PackedDataset:
-        return PackedDataset(self.train_tokens, seq_len)
+        return PackedDataset(_enough(self.train_tokens, seq_len, "training", len(self.train_docs)), seq_len)
 
     def heldout(self, seq_len: int) -> PackedDataset:
-        return PackedDataset(self.heldout_tokens, seq_len)
+        return PackedDataset(_enough(self.heldout_tokens, seq_len, "held-out", len(self.heldout_docs)), seq_len)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -74,12 +74,27 @@ class Corpus:
         }
 
 
+def _enough(tokens: np.ndarray, seq_len: int, side: str, docs: int) -> np.ndarray:
+    if len(tokens) < seq_len + 1:
+        raise DataError(
+            f"the {side} text ({docs} documents) holds {len(tokens)} tokens, fewer than one sequence of "
+            f"seq_len={seq_len} (+1 for the shifted labels); give more text, or shorten the sequences"
+        )
+    return tokens
+
+
 def _get(c: Any, key: str, default: Any = None) -> Any:
     return c.get(key, default) if isinstance(c, dict) or hasattr(c, "get") else getattr(c, key, default)
 
 
 def build_corpus(data: Any, tokenizer: Any, cache_dir: str | Path | None = None, eos_id: int | None = None) -> Corpus:
-    """Load ``cfg.data``'s documents, split them, and tokenize both parts (through the cache)."""
+    """Load ``cfg.data``'s documents, split them, and tokenize both parts (through the cache).
+    ``data.kind=megatron``: already tokens (``indexed.py``), checked against the tokenizer's vocabulary."""
+    if _get(data, "kind") == "megatron":
+        from autocompress_nemo.data.indexed import indexed_corpus
+
+        eos = eos_id_of(tokenizer) if eos_id is None else int(eos_id)
+        return Corpus(*indexed_corpus(data, eos, _vocab_size(tokenizer)))
     docs = load_documents(data)
     train, held = split_documents(
         docs, float(_get(data, "holdout_fraction", 0.05)), list(_get(data, "heldout_files", []) or [])
@@ -87,3 +102,14 @@ def build_corpus(data: Any, tokenizer: Any, cache_dir: str | Path | None = None,
     tt, to = cached_tokenize(train, tokenizer, cache_dir, eos_id)
     ht, ho = cached_tokenize(held, tokenizer, cache_dir, eos_id)
     return Corpus(train, held, tt, ht, to, ho)
+
+
+def _vocab_size(tokenizer: Any) -> int | None:
+    """The tokenizer's vocabulary size (``len(tok)``, or a test tokenizer's ``vocab``), if it has one."""
+    n = getattr(tokenizer, "vocab", None)
+    if isinstance(n, int):
+        return n
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return None

@@ -1,36 +1,32 @@
 """Documents: the embedded stdlib corpus, user files, and the deterministic held-out split.
 
-A document is one source file, one text file, or one line of a JSONL file. Its ``doc_id`` is
-a stable relative name (``json/decoder.py``, ``corpus.jsonl:17``): it decides the order of the
-corpus (sorted) and whether the document is held out (a stable hash of the id, plus an
-explicit list), so the split is the same on every machine and independent of the seed.
+A document is one source file, one text file, one line of a JSONL file, or one row of a Parquet
+file or saved dataset (``records.py``). Its ``doc_id`` is a stable relative name
+(``json/decoder.py``, ``corpus.jsonl:17``, ``corpus.parquet:17``, ``my_dataset:17``): it decides
+the order of the corpus (sorted) and whether the document is held out (``document.is_heldout``: a
+stable hash of the id, plus an explicit list), so the split is the same on every machine and
+independent of the seed. (The same texts in another container have other ids, hence another, equally
+fixed, split.) Already-tokenized Megatron indexed datasets are ``indexed.py``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sysconfig
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
+from autocompress_nemo.data.document import DataError, Document, is_heldout, stable_fraction
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".parquet")
+"""Suffixes read under a ``data.paths`` directory (``.parquet``: rows, see ``records.py``)."""
+BINARY_FORMATS = (".parquet",)
+"""Suffixes that are binary by design (not checked for NUL bytes)."""
+BINARY_PROBE = 1 << 16
 STDLIB_EXCLUDED_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "__pycache__"}
 )
 """Path components that remove a stdlib file: installed packages, test suites, IDLE."""
-
-
-@dataclass(frozen=True)
-class Document:
-    doc_id: str
-    """Stable relative name: decides order and the held-out split."""
-    text: str
-
-
-class DataError(ValueError):
-    """Data that cannot be read; the message names the file and the fix."""
 
 
 def stdlib_dir() -> Path:
@@ -66,10 +62,14 @@ def stdlib_documents(root: Path | None = None) -> list[Document]:
 
 
 def listed_files(base: Path) -> list[Path]:
-    """The files a ``data.paths`` entry stands for: itself, or (a directory) every text file
-    under it (``TEXT_SUFFIXES``), sorted by relative path."""
+    """The files a ``data.paths`` entry stands for: itself, the files of a saved dataset, or (a
+    directory) every text file under it (``TEXT_SUFFIXES``), sorted by relative path."""
+    from autocompress_nemo.data.records import is_saved_dataset
+
     if base.is_file():
         return [base]
+    if is_saved_dataset(base):
+        return sorted(p for p in base.iterdir() if p.is_file())
     return sorted(
         (p for p in base.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES),
         key=lambda p: p.relative_to(base).as_posix(),
@@ -83,6 +83,10 @@ def corpus_files(data: object) -> list[Path]:
     get = data.get if isinstance(data, dict) else lambda k, d=None: getattr(data, k, d)
     if kind == "stdlib":
         return stdlib_files()
+    if kind == "megatron":
+        from autocompress_nemo.data.indexed import indexed_files
+
+        return indexed_files(data)
     out: list[Path] = []
     for given in list(get("paths", []) or []):
         base = Path(str(given)).expanduser()
@@ -92,19 +96,34 @@ def corpus_files(data: object) -> list[Path]:
 
 
 def file_documents(paths: Sequence[str | Path], jsonl_field: str = "text") -> list[Document]:
-    """Documents from files and directories (recursively: .txt .md .rst .py .jsonl).
+    """Documents from files and directories (recursively: .txt .md .rst .py .jsonl .parquet), and
+    from directories written by ``datasets.Dataset.save_to_disk``.
 
-    A ``.jsonl`` file gives one document per non-empty line, its text under ``jsonl_field``.
-    Ids are relative to the directory given (a file given directly keeps its name).
+    A ``.jsonl`` file gives one document per non-empty line, its text under ``jsonl_field``; a
+    ``.parquet`` file or a saved dataset one per row, its text in the column ``jsonl_field``.
+    Ids are relative to the directory given (a file given directly keeps its name). A text file
+    with NUL bytes (binary) and an empty file given directly are refused (:class:`DataError`).
     """
+    from autocompress_nemo.data.records import dataset_documents, is_saved_dataset, parquet_documents
+
     docs: list[Document] = []
     for given in paths:
         base = Path(given).expanduser()
         if not base.exists():
             raise DataError(f"data path {given} does not exist; fix data.paths")
+        if is_saved_dataset(base):
+            docs += dataset_documents(base, base.name, jsonl_field)
+            continue
+        if base.is_file() and base.stat().st_size == 0:
+            raise DataError(f"data path {base} is empty (0 bytes); give a file with text")
         files, root = listed_files(base), (base.parent if base.is_file() else base)
         for f in files:
             rel = f.relative_to(root).as_posix() if base.is_dir() else f.name
+            if f.suffix == ".parquet":
+                docs += parquet_documents(f, rel, jsonl_field)
+                continue
+            if is_binary(f):
+                raise DataError(binary_message(f))
             if f.suffix == ".jsonl":
                 docs += _jsonl_documents(f, rel, jsonl_field)
             else:
@@ -112,6 +131,21 @@ def file_documents(paths: Sequence[str | Path], jsonl_field: str = "text") -> li
     if not docs:
         raise DataError(f"no text documents found under {list(map(str, paths))} (suffixes: {', '.join(TEXT_SUFFIXES)})")
     return sorted(docs, key=lambda d: d.doc_id)
+
+
+def is_binary(path: Path) -> bool:
+    """NUL bytes in the first 64 KB (a text format that holds them is not text)."""
+    with open(path, "rb") as f:
+        return b"\0" in f.read(BINARY_PROBE)
+
+
+def binary_message(path: Path) -> str:
+    hint = (
+        "; it looks like a Megatron indexed dataset: use data=megatron 'data.blend=[1.0,<prefix>]'"
+        if path.suffix in (".bin", ".idx")
+        else ""
+    )
+    return f"data.paths: {path} is binary, not text (NUL bytes in its first 64 KB); remove it from data.paths{hint}"
 
 
 def _jsonl_documents(path: Path, rel: str, key: str) -> list[Document]:
@@ -127,16 +161,6 @@ def _jsonl_documents(path: Path, rel: str, key: str) -> list[Document]:
             raise DataError(f"{path}:{i}: no string field {key!r}; set data.jsonl_field to the text's key")
         out.append(Document(f"{rel}:{i}", obj[key]))
     return out
-
-
-def stable_fraction(doc_id: str) -> float:
-    """A number in [0, 1) from the document id alone: ``sha256(id)[:8] / 2**32``."""
-    return int(hashlib.sha256(doc_id.encode()).hexdigest()[:8], 16) / 2**32
-
-
-def is_heldout(doc_id: str, fraction: float, named: Iterable[str] = ()) -> bool:
-    """Held out when named explicitly or when ``stable_fraction(id) < fraction``."""
-    return doc_id in set(named) or stable_fraction(doc_id) < fraction
 
 
 def split_documents(
@@ -180,5 +204,5 @@ def load_documents(data: object) -> list[Document]:
     elif kind == "files":
         docs = file_documents(list(get("paths", []) or []), str(get("jsonl_field", "text")))
     else:
-        raise DataError(f"data.kind={kind!r} is unknown; use stdlib or files")
+        raise DataError(f"data.kind={kind!r} has no text documents; use stdlib or files (megatron: build_corpus)")
     return limit_documents(docs, int(get("max_documents", 0) or 0), list(get("heldout_files", []) or []))

@@ -60,6 +60,24 @@ def resolve_source_path(model_cfg: Any) -> Path | None:
     raise ValueError(f"model.source.kind={kind!r} is not one of: package, gguf, hf, random, none")
 
 
+def _hf_loader(path: Path) -> Any:
+    """The importer of a Hugging Face directory, by its ``config.json`` ``model_type``."""
+    from autocompress_nemo.models.shape import hf_config
+
+    mt = hf_config(path).get("model_type")
+    if mt == "qwen3_moe":
+        from autocompress_nemo.models.qwen3_moe.hf_io import load_hf as load_moe
+
+        return load_moe
+    if mt in ("nemotron_h", "nemotron_h_puzzle"):
+        from autocompress_nemo.models.nemotron_h.hf_io import load_hf as load_nh
+
+        return load_nh
+    from autocompress_nemo.models.llama import load_hf
+
+    return load_hf
+
+
 def load_parent(model_cfg: Any, tokenizer: bool = True) -> tuple[ArchSpec, dict[str, torch.Tensor] | None, Any]:
     """``(spec, HF Llama-named float32 state dict or None, tokenizer or None)`` of the parent.
 
@@ -68,7 +86,7 @@ def load_parent(model_cfg: Any, tokenizer: bool = True) -> tuple[ArchSpec, dict[
     comes from the checkpoint itself; a shape that disagrees with the config's
     ``num_layers`` / ``hidden`` raises, naming both.
     """
-    from autocompress_nemo.models.llama import load_gguf, load_hf
+    from autocompress_nemo.models.llama import load_gguf
 
     src = _get(model_cfg, "source", {})
     kind = str(_get(src, "kind", "none"))
@@ -76,7 +94,7 @@ def load_parent(model_cfg: Any, tokenizer: bool = True) -> tuple[ArchSpec, dict[
     if path is None:
         return spec_from_model_config(model_cfg), None, None
     if kind == "hf" or path.is_dir():
-        spec, sd, tok = load_hf(path, tokenizer=tokenizer)
+        spec, sd, tok = _hf_loader(path)(path, tokenizer=tokenizer)
     elif path.suffix == ".gguf":
         spec, sd, tok = load_gguf(path, tokenizer=tokenizer)
     else:
