@@ -119,7 +119,6 @@ class CostTable:
     def estimated(self) -> bool:
         return bool(self.provenance.get("estimated", False))
 
-    @property
     def reference_times(self) -> dict[str, float] | None:
         """The reference's (the parent's) prefill and decode times during profiling, which the table's
         costs are ratios of (``None``: a table of absolute times)."""
@@ -128,6 +127,7 @@ class CostTable:
             return None
         return {p: float(ref[p]) for p in PHASES}
 
+    @property
     def label(self) -> str:
         return ESTIMATED_LABEL if self.estimated else MEASURED_LABEL
 
