@@ -1,7 +1,7 @@
 """Profile one target from scratch and validate its cost table; prints JSON.
 
     python bench/bench_profile.py [+target=cpu_chat] [other overrides]
-    python bench/bench_profile.py --load [+target=cpu_chat] [other overrides]
+    python bench/bench_profile.py --load [--table PATH] [+target=cpu_chat] [other overrides]
 
 ``--load`` (issue 14): the same table validated twice in one run, on the machine as it is and with a
 synthetic background load the bench starts itself (one busy process per core, each multiplying
@@ -63,17 +63,23 @@ def _errs(e: dict) -> dict:
 
 
 def under_load(argv: list[str]) -> dict:
+    """``[--table PATH] [overrides]``: a given table (e.g. the default run's ``profile/cost_table.json``,
+    checked against the target's provenance) is validated instead of profiling a new one."""
+    given = None
+    if argv[:1] == ["--table"]:
+        given, argv = Path(argv[1]), argv[2:]
     overrides = argv or ["+target=cpu_chat"]
     cfg = compose(overrides)
     out = Path(tempfile.mkdtemp(prefix="acn-bench-profile-load-"))
     t0 = time.time()
-    table_path = run_profile(cfg, out)
+    table_path = given or run_profile(cfg, out)
     prov = json.loads(table_path.read_text())["provenance"]
     result: dict = {
         "target": str(cfg.target.name),
         "engine": prov["engine_version"],
         "threads": prov["threads"],
         "clock": prov.get("clock"),
+        "table": str(table_path),
         "table_wall_s": round(time.time() - t0, 1),
         "table_reference": {k: prov.get("reference", {}).get(k) for k in ("decode_ms", "prefill_ms", "load_avg")},
         "conditions": {},
