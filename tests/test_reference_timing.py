@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from autocompress_nemo.costs.engines.paired import Schedule, measure_interleaved
+from tests.hybrid_utils import requires_mamba
 
 
 class FakeClock:
@@ -132,3 +133,22 @@ def test_llama_cpp_times_against_the_reference(tmp_path):
         assert m.absolute["decode_ms"] > 0
     assert 0.7 < m_self.ratio["decode_ms"] < 1.4
     assert m_half.ratio["prefill_ms"] < m_self.ratio["prefill_ms"]
+
+
+@requires_mamba
+def test_torch_eager_times_hybrids_against_the_reference():
+    """PyTorch eager (the hybrid measurement engine) through the same scheduler: ratios and the reference."""
+    from autocompress_nemo.config.entry import compose
+    from autocompress_nemo.costs.engines import get_engine
+    from autocompress_nemo.costs.engines.base import Workload
+    from autocompress_nemo.profile.stage import parent_spec
+
+    cfg = compose(["+target=tiny_hybrid_cpu", "model=tiny_hybrid"])
+    t = cfg.target
+    t.workload.batch, t.workload.input_len, t.workload.output_len, t.workload.context_len = 1, 8, 4, 32
+    t.engine.settings.decode_steps, t.engine.settings.decode_warmup, t.engine.repeats = 8, 1, 2
+    t.engine.settings.reference_chunk = 2
+    parent = parent_spec(cfg)
+    (m,) = get_engine(t).measure_many([parent.replace(name="same")], Workload.from_config(t.workload), reference=parent)
+    assert set(m.ratio) == {"prefill_ms", "decode_ms"} and 0.5 < m.ratio["decode_ms"] < 2.0
+    assert m.reference["name"] == "parent" and m.memory["state"] > 0 and "memory_kv_at_decode_context" in m.raw
