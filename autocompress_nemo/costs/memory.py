@@ -21,6 +21,14 @@ import math
 from autocompress_nemo.arch.counts import block_params, kv_bytes_per_token, state_elements
 from autocompress_nemo.arch.spec import ArchSpec, Block
 from autocompress_nemo.blocks import kind_of
+from autocompress_nemo.costs.gguf_types import (
+    MORE_BITS_SHARE,
+    gguf_weight_bytes,
+    is_quantized,
+    role_bytes,
+    tensor_type,
+    type_bytes,
+)
 
 # (elements per block, bytes per block) of GGML storage types (as ggml-common.h defines them)
 GGML_BLOCK: dict[str, tuple[int, int]] = {
@@ -65,12 +73,39 @@ def small_params(b: Block, hidden: int) -> int:
     return 0 if b.removed else kind_of(b).small_params(b, hidden)
 
 
+def _gguf_priced(dtype: str, kinds: set[str]) -> bool:
+    """Weights priced tensor by tensor with llama.cpp's quantizer rules (``costs/gguf_types.py``):
+    a llama.cpp quantization (q8_0, q4_0, q4_1, q4_k_m) of attention / mlp blocks."""
+    return is_quantized(dtype) and kinds <= {"attention", "mlp"}
+
+
 def block_weight_bytes(b: Block, hidden: int, dtype: str, norm_dtype: str = "f32", active: bool = False) -> float:
     """Weights of one block: ``(P - p_small) * b(dtype) + p_small * b(norm_dtype)``.
 
     ``P = block_params`` (arch/counts.py), ``p_small = small_params`` (norms and scalars,
     stored F32 in GGUF; pass ``norm_dtype=dtype`` for engines that store all in one dtype).
+
+    A llama.cpp quantization (q8_0, q4_0, q4_1, q4_k_m) prices an attention / mlp block tensor by
+    tensor with the type llama.cpp's quantizer gives it (``costs/gguf_types.py``: row-block
+    fallbacks; Q4_K_M's Q6_K attn_v / ffn_down priced as the ``MORE_BITS_SHARE`` mix since a block
+    alone has no position; ``weight_bytes`` of a whole model is exact).
     """
+    if not b.removed and _gguf_priced(dtype, {b.kind}):
+        s = small_params(b, hidden)
+        shapes = {
+            "attention": lambda: [
+                ("attn_q", (hidden, b.num_heads * b.head_dim)),  # type: ignore[attr-defined]
+                ("attn_k", (hidden, b.num_kv_groups * b.head_dim)),  # type: ignore[attr-defined]
+                ("attn_v", (hidden, b.num_kv_groups * b.head_dim)),  # type: ignore[attr-defined]
+                ("attn_output", (b.num_heads * b.head_dim, hidden)),  # type: ignore[attr-defined]
+            ],
+            "mlp": lambda: [
+                ("ffn_gate", (hidden, b.ffn)),  # type: ignore[attr-defined]
+                ("ffn_up", (hidden, b.ffn)),  # type: ignore[attr-defined]
+                ("ffn_down", (b.ffn, hidden)),  # type: ignore[attr-defined]
+            ],
+        }[b.kind]()
+        return sum(role_bytes(dtype, r, sh, more_bits=MORE_BITS_SHARE) for r, sh in shapes) + s * 4
     p = block_params(b, hidden, active=active)
     s = small_params(b, hidden)
     return (p - s) * bytes_per_element(dtype) + s * bytes_per_element(norm_dtype)
@@ -78,13 +113,24 @@ def block_weight_bytes(b: Block, hidden: int, dtype: str, norm_dtype: str = "f32
 
 def embedding_weight_bytes(spec: ArchSpec, dtype: str, norm_dtype: str = "f32") -> float:
     """Embedding ``V*h``, LM head ``V*h`` when untied, final norm ``h``:
-    ``V*h*(1 or 2)*b(dtype) + h*b(norm_dtype)``."""
+    ``V*h*(1 or 2)*b(dtype) + h*b(norm_dtype)``; a llama.cpp quantization with the types its
+    quantizer gives the embedding and the LM head (``costs/gguf_types.py``)."""
+    if _gguf_priced(dtype, set()):
+        tied = spec.tied_embeddings
+        roles = ["token_embd"] + ([] if tied else ["output"])
+        return sum(
+            type_bytes(spec.vocab * spec.hidden, tensor_type(dtype, r, spec.hidden, tied=tied)) for r in roles
+        ) + spec.hidden * bytes_per_element("f32")
     n = spec.vocab * spec.hidden * (1 if spec.tied_embeddings else 2)
     return n * bytes_per_element(dtype) + spec.hidden * bytes_per_element(norm_dtype)
 
 
 def weight_bytes(spec: ArchSpec, dtype: str, norm_dtype: str = "f32") -> float:
-    """All weights: ``embedding_weight_bytes + sum over blocks of block_weight_bytes``."""
+    """All weights: ``embedding_weight_bytes + sum over blocks of block_weight_bytes``; for a
+    llama.cpp quantization of a Llama-style model, exactly the tensor bytes of the GGUF llama.cpp's
+    quantizer writes (``costs/gguf_types.gguf_weight_bytes``: per-layer Q4_K_M types included)."""
+    if spec.is_dense_layered() and _gguf_priced(dtype, set(spec.kinds())):
+        return float(gguf_weight_bytes(spec, dtype))
     return embedding_weight_bytes(spec, dtype, norm_dtype) + sum(
         block_weight_bytes(b, spec.hidden, dtype, norm_dtype) for b in spec.blocks
     )
