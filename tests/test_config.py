@@ -25,7 +25,7 @@ from autocompress_nemo.config.validate import ConfigError, collect_problems, val
 TARGETS = resolve.available("target")
 MODELS = [m for m in resolve.available("model") if m not in ("hf", "gguf")]
 """Shipped model configs (``hf`` / ``gguf`` read the shape from a file: tests/test_own_model.py)."""
-LLAMA_CPP_TARGETS = {"cpu_chat", "cpu_coding", "tiny_cpu"}
+LLAMA_CPP_TARGETS = {"cpu_chat", "cpu_chat_q8", "cpu_chat_q4", "cpu_coding", "tiny_cpu"}
 DENSE_LLAMA = {"smollm2_135m", "llama3_8b", "tiny_llama"}
 MAX_POSITION = {"smollm2_135m": 8192, "nemotron_h_8b": 8192, "qwen3_30b_a3b": 40960}
 CONTEXT = {"b200_128k": 131072, "rtx5080_coding": 32768}

@@ -254,13 +254,26 @@ def search_capabilities(cfg: Any) -> EngineCapabilities:
     parallelism (``cluster.ep``) every student keeps a multiple of EP routed experts per MoE block
     (``expert_align = lcm(engine's, ep)``), so search, extraction and recovery distillation can
     shard it the way they shard the parent. The search space, the profiled option grid and the
-    validation candidates are all drawn under these."""
+    validation candidates are all drawn under these. The ffn alignment also includes the weight
+    dtype's row block (``costs/gguf_types.quant_ffn_align``: llama.cpp Q4_K_M 256, Q8_0 / Q4_0 / Q4_1
+    32; TensorRT-LLM / vLLM FP8 / NVFP4 16, estimated), so no searched width makes the engine store
+    ffn_down in a fallback type."""
     import dataclasses
     import math
 
+    from autocompress_nemo.costs.gguf_types import quant_ffn_align
+
     caps = capabilities_of(_get(cfg.target.engine, "capabilities"))
     ep = int(_get(_get(cfg, "cluster"), "ep", 1) or 1)
-    return dataclasses.replace(caps, expert_align=math.lcm(caps.expert_align or 1, ep)) if ep > 1 else caps
+    if ep > 1:
+        caps = dataclasses.replace(caps, expert_align=math.lcm(caps.expert_align or 1, ep))
+    # the weight dtype's row block: an ffn width off it would be stored in a fallback type
+    # (llama.cpp Q4_K_M: 256; Q8_0 / Q4_x: 32; TensorRT-LLM FP8 / NVFP4: 16, estimated)
+    eng = cfg.target.engine
+    q = quant_ffn_align(str(_get(eng, "name", "")), str(_get(eng, "dtype", "")))
+    if q > 1 and (caps.ffn_align or 1) % q:
+        caps = dataclasses.replace(caps, ffn_align=math.lcm(caps.ffn_align or 1, q))
+    return caps
 
 
 # -- dtypes ---------------------------------------------------------------------------------------
@@ -280,6 +293,7 @@ DTYPE_BYTES: dict[str, float] = {
     "q4_1": 20 / 32,  # + f16 minimum
     "q5_0": 22 / 32,
     "q5_1": 24 / 32,
+    "q4_k_m": 144 / 256,  # nominal Q4_K block of 256; llama.cpp's per-tensor types: costs/gguf_types.py
 }
 """Bytes per weight, block scales included (GGUF block sizes from the ggml quant formats)."""
 

@@ -321,6 +321,9 @@ class EvaluateConfig:
     parity_tokens: int = 64
     """Export gate: held-out tokens on which the exported file's logits are compared with the
     project's student (``export/parity.py``; per-dtype tolerance, fails naming the first divergent layer)."""
+    keep_f16_gguf: bool = False
+    """Export: keep the F16 GGUF (``f16/<name>.gguf``) next to the student quantized to a llama.cpp
+    quantization (``target.engine.dtype`` q8_0 / q4_1 / q4_0 / q4_k_m)."""
 
 
 @dataclass

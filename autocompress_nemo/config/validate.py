@@ -169,6 +169,14 @@ def _check_target(c: dict, m: dict, t: dict) -> list[str]:
     for key in ("dtype", "kv_dtype"):
         if str(eng.get(key, "")).lower() not in resolve.DTYPE_BYTES:
             p.append(f"target.engine.{key}={eng.get(key)!r} is unknown; known: {', '.join(resolve.DTYPE_BYTES)}")
+    if eng.get("name") == "llama_cpp":
+        from autocompress_nemo.costs.gguf_types import LLAMA_CPP_DTYPES
+
+        if str(eng.get("dtype", "")) not in LLAMA_CPP_DTYPES:
+            p.append(
+                f"target.engine.dtype={eng.get('dtype')!r} is not a llama.cpp dtype here; use one of "
+                f"{', '.join(LLAMA_CPP_DTYPES)} (quantized by llama.cpp's own quantizer)"
+            )
     if hw.get("kind") == "cpu" and isinstance(eng.get("threads"), int) and isinstance(hw.get("threads"), int):
         if hw["threads"] > 0 and eng["threads"] > hw["threads"]:
             p.append(

@@ -34,6 +34,7 @@ from typing import Any
 from autocompress_nemo.arch.counts import block_params, embedding_params
 from autocompress_nemo.arch.spec import ArchSpec, Block
 from autocompress_nemo.costs import memory as mem
+from autocompress_nemo.costs.gguf_types import is_quantized
 from autocompress_nemo.costs.table import CostTable
 
 ADDITIVE = ("prefill_ms", "ttft_ms", "decode_ms", "tpot_ms", "response_latency_ms", "memory_bytes", "params")
@@ -116,6 +117,11 @@ class Predictor:
             m.get("weights_overhead_bytes", 0)
         )
         blocks_w = sum(mem.block_weight_bytes(b, spec.hidden, self.dtype, self.norm_dtype) for b in spec.blocks)
+        if self.norm_dtype == "f32" and is_quantized(self.dtype) and spec.is_dense_layered():
+            # a llama.cpp quantization: the whole file's bytes are exact (per-layer Q4_K_M types),
+            # the per-block prices an average; the difference is counted outside the blocks
+            exact = mem.weight_bytes(spec, self.dtype) + float(m.get("weights_overhead_bytes", 0))
+            outside = exact - blocks_w
         return {
             "weights": outside + blocks_w,
             "weights_outside_blocks": outside,

@@ -17,7 +17,9 @@ from autocompress_nemo.utils.artifacts import write_json_atomic
 
 STAGE = Stage(
     "export",
-    reads=reads(LAYOUT, DATA, "target.engine.name", "target.engine.dtype", "evaluate.parity_tokens"),
+    reads=reads(
+        LAYOUT, DATA, "target.engine.name", "target.engine.dtype", "evaluate.parity_tokens", "evaluate.keep_f16_gguf"
+    ),
     needs=("distill",),
     per_method=True,
 )
@@ -36,16 +38,22 @@ def run(ctx: Context, out: Path, student: DistillDir) -> None:
             "global expert count and width, so a hybrid with per-block experts cannot be written for it"
         )
     elif str(ctx.cfg.target.engine.name) == "llama_cpp":
+        from autocompress_nemo.costs.gguf_types import check_dtype, is_quantized
         from autocompress_nemo.export.gguf import write_gguf
         from autocompress_nemo.export.parity import check_export
+        from autocompress_nemo.export.quantize import quant_record, quantize_gguf
 
-        dtype = str(ctx.cfg.target.engine.dtype)
+        dtype = check_dtype(str(ctx.cfg.target.engine.dtype))
+        quantized = is_quantized(dtype)
+        # a llama.cpp quantization: the student is written F16, gated on parity there, then quantized
+        # by llama.cpp's own quantizer (per-tensor types and fallbacks recorded in quantization.json)
+        written = art.dir / "f16" / f"{spec.name or 'student'}.gguf" if quantized else art.gguf(spec.name)
         path = write_gguf(
             spec,
-            art.gguf(spec.name),
+            written,
             {k: v.float().numpy().astype(np.float32) for k, v in sd.items()},
             tokenizer_from=ctx.parent_gguf(),
-            dtype=dtype,
+            dtype="f16" if quantized else dtype,
         )
         ctx.say(f"[export] GGUF ({'llama' if spec.is_uniform() else 'deci'}) -> {path}")
         # the gate: the file's logits against the project's student on a fixed held-out sequence
@@ -56,11 +64,27 @@ def run(ctx: Context, out: Path, student: DistillDir) -> None:
             m.eval()
             return ctx.forward(m, ids)[0]
 
-        parity = check_export(spec, sd, path, reference, tokens, dtype)
+        gate_dtype = "f16" if quantized else dtype
+        parity = check_export(spec, sd, path, reference, tokens, gate_dtype)
         write_json_atomic(art.parity, {**parity, "file": path.name})
         ctx.say(
             f"[export] parity with the PyTorch student on {parity['tokens']} held-out tokens: max |dlogit| "
-            f"{parity['max_abs_dlogit']:.4g} <= {parity['tolerance']} ({dtype}) PASS"
+            f"{parity['max_abs_dlogit']:.4g} <= {parity['tolerance']} ({gate_dtype}) PASS"
         )
+        if quantized:
+            final = art.gguf(spec.name)
+            record = quant_record(spec, quantize_gguf(path, final, dtype), dtype)
+            write_json_atomic(art.quantization, {**record, "file": final.name})
+            ctx.say(
+                f"[export] {dtype} by llama.cpp's quantizer -> {final}: {record['bpw_matrices']:.2f} bits per weight "
+                f"(matrices), {len(record['fallbacks'])} fallback tensor(s)"
+                + "".join(
+                    f"\n  fallback {f['name']}: {f['asked']} -> {f['got']} ({f['why']}), {f['bpw']:.2f} bpw"
+                    for f in record["fallbacks"]
+                )
+            )
+            if not bool(ctx.cfg.evaluate.keep_f16_gguf):
+                path.unlink(missing_ok=True)
+                path.parent.rmdir()
     model = ctx.model(spec, sd)
     torch.save({"arch_spec": spec.to_dict(), "megatron_state_dict": model.state_dict()}, art.megatron)

@@ -122,6 +122,11 @@ class ExportDir:
         return self.dir / "parity.json"
 
     @property
+    def quantization(self) -> Path:
+        """llama.cpp quantization record: per-tensor types, fallbacks, bits per weight."""
+        return self.dir / "quantization.json"
+
+    @property
     def hf(self) -> Path:
         return self.dir / "hf"
 

@@ -1,7 +1,9 @@
 """llama.cpp through llama-cpp-python's low-level C API (the embedded default engine; runs on CPU).
 
 A model is written as GGUF (``export/gguf.py``: ``llama`` when uniform, ``deci`` when
-heterogeneous), loaded with ``llama_model_load_from_file`` and served by one context of
+heterogeneous) in F16 and, for a quantized ``engine.dtype`` (q8_0, q4_1, q4_0, q4_k_m),
+quantized by llama.cpp's own quantizer (``export/quantize.py``; the per-tensor types and their
+fallbacks are ``costs/gguf_types.py``'s), loaded with ``llama_model_load_from_file`` and served by one context of
 ``n_ctx = context_len``, ``n_seq_max = batch``, flash attention on (with it off the V cache
 is padded to the widest layer), a fixed thread count.
 
@@ -101,6 +103,7 @@ class LlamaCppEngine(CpuTimedEngine):
 
     def __init__(self, cfg: Any, hardware: Any = None, workdir: str | Path | None = None) -> None:
         super().__init__(cfg, hardware)
+        _ = self.dtype  # an unsupported engine.dtype fails here, naming the supported ones
         self._workdir = Path(workdir) if workdir else None
         self.runs = 0
 
@@ -125,6 +128,35 @@ class LlamaCppEngine(CpuTimedEngine):
         return out
 
     # -- measurement ------------------------------------------------------------
+    def write_model(
+        self, spec: ArchSpec, path: Path, weights: dict[str, np.ndarray] | None, context_len: int
+    ) -> dict[str, Any] | None:
+        """Write ``spec`` as the engine serves it: F16 GGUF (``write_gguf``), then, for a quantized
+        ``engine.dtype``, quantized in place by llama.cpp's own quantizer (``export/quantize.py``:
+        the per-tensor types, fallbacks included, are llama.cpp's). Returns the tensor type table
+        of a quantized file (None for f16 / f32)."""
+        from autocompress_nemo.costs.gguf_types import is_quantized
+        from autocompress_nemo.export.gguf import write_gguf
+        from autocompress_nemo.export.quantize import quantize_gguf
+
+        dtype = self.dtype
+        if not is_quantized(dtype):
+            write_gguf(spec, path, weights, dtype=dtype, context_length=context_len)
+            return None
+        f16 = path.with_name(path.stem + ".f16.gguf")
+        write_gguf(spec, f16, weights, dtype="f16", context_length=context_len)
+        try:
+            return quantize_gguf(f16, path, dtype)
+        finally:
+            f16.unlink(missing_ok=True)
+
+    @property
+    def dtype(self) -> str:
+        """``engine.dtype``, checked: f16, f32, q8_0, q4_1, q4_0 or q4_k_m."""
+        from autocompress_nemo.costs.gguf_types import check_dtype
+
+        return check_dtype(str(self.cfg.dtype))
+
     def measure(
         self,
         spec: ArchSpec,
@@ -161,8 +193,6 @@ class LlamaCppEngine(CpuTimedEngine):
         biasing one model against another, and the ratio to the reference timed next to each
         sample takes the burst out.
         """
-        from autocompress_nemo.export.gguf import write_gguf
-
         weights = weights or [None] * len(specs)
         given = gguf_paths or [None] * len(specs)
         paths: list[Path] = []
@@ -173,13 +203,13 @@ class LlamaCppEngine(CpuTimedEngine):
                 paths.append(Path(given[i]))  # type: ignore[arg-type]
                 continue
             p = self.workdir / f"m{i}_{spec.name or 'model'}.gguf"
-            write_gguf(spec, p, weights[i], dtype=str(self.cfg.dtype), context_length=workload.context_len)
+            self.write_model(spec, p, weights[i], workload.context_len)
             paths.append(p)
             written.append(p)
         open_reference = None
         if reference is not None and timing and self.uses_reference():
             rp = self.workdir / "reference.gguf"
-            write_gguf(reference, rp, None, dtype=str(self.cfg.dtype), context_length=workload.context_len)
+            self.write_model(reference, rp, None, workload.context_len)
             written.append(rp)
 
             def open_reference() -> _LlamaLive:
