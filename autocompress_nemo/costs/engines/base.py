@@ -305,49 +305,6 @@ class CpuTimedEngine(Engine):
         p.update(threads=self.threads(), clock=self.clock())
         return p
 
-    def schedule(self, rounds: int | None, min_steps: int) -> Any:
-        """Rounds, per-round prefills and decode steps, and the reference settings of one ``measure_many``."""
-        from autocompress_nemo.costs.engines.paired import Schedule
-
-        rounds = int(rounds or self.settings.rounds)
-        return Schedule(
-            rounds=rounds,
-            prefills=max(1, -(-int(self.cfg.repeats) // rounds)),
-            steps=max(min_steps, -(-self.timed_decode_steps() // rounds)),
-            chunk=int(self.settings.reference_chunk),
-            tolerance=float(self.settings.reference_tolerance),
-            percentile=float(self.cfg.percentile),
-        )
-
-    def interleave(
-        self,
-        specs: list[ArchSpec],
-        open_model: Any,
-        open_reference: Any,
-        parts: tuple[str, ...],
-        *,
-        rounds: int | None,
-        min_steps: int,
-        **kw: Any,
-    ) -> list[Measurement]:
-        """``paired.measure_interleaved`` over ``specs`` with this engine's schedule; each result's memory
-        cut to the engine's ``parts`` (any other part the engine reported kept as ``raw['memory_<part>']``)."""
-        from autocompress_nemo.costs.engines.paired import measure_interleaved
-
-        out = measure_interleaved(
-            len(specs),
-            open_model,
-            self.schedule(rounds, min_steps),
-            open_reference=open_reference,
-            names=[s.name or f"model{i}" for i, s in enumerate(specs)],
-            **kw,
-        )
-        for m in out:
-            reported = m.memory
-            m.memory = {k: reported.get(k, 0.0) for k in parts}
-            m.raw.update({f"memory_{k}": [v] for k, v in reported.items() if k not in m.memory})
-        return out
-
     def uses_reference(self) -> bool:
         r = str(self.settings.reference)
         if r not in ("parent", "none"):

@@ -49,6 +49,7 @@ import numpy as np
 
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.costs.engines.base import CpuTimedEngine, Measurement, Workload
+from autocompress_nemo.costs.engines.paired import interleave
 
 _MIB = 1024.0 * 1024.0
 _LOG: list[str] = []
@@ -190,7 +191,8 @@ class LlamaCppEngine(CpuTimedEngine):
             return _LlamaLive(self, paths[i], specs[i].vocab, workload, timing)
 
         try:
-            return self.interleave(
+            return interleave(
+                self,
                 specs,
                 open_model,
                 open_reference,

@@ -55,6 +55,7 @@ import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
 from autocompress_nemo.costs.engines.base import CpuTimedEngine, Measurement, Workload
+from autocompress_nemo.costs.engines.paired import interleave
 
 LABEL = "PyTorch eager (transformers) on CPU — a measurement engine, not a production serving engine"
 _MAMBA_OPS = (
@@ -271,7 +272,8 @@ class TorchEagerEngine(CpuTimedEngine):
                     def open_reference() -> _Live:
                         return build(reference, None, mn)
 
-                return self.interleave(
+                return interleave(
+                    self,
                     specs,
                     open_model,
                     open_reference,
