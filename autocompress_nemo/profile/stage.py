@@ -221,13 +221,17 @@ def _latencies(prefill: float, decode: float, memory: float, output_len: int) ->
 def _reference_summary(measured: list[Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
     """How the timing was referenced: the reference's times and variation, the load average, the
     flagged measurements, and the errors the old method (absolute times) would have shown."""
+    from autocompress_nemo.costs.engines.paired import all_flags
+
     ref = next((m.reference for m in measured if m.reference), None)
     if not ref:
         return {"timing": "absolute (no reference timed)"}
+    for f in all_flags(measured):
+        print(f"[validate] flagged: {f}", file=sys.stderr, flush=True)
     return {
         "timing": "ratio to the parent timed in the same rounds x the parent's time in the cost table",
         "reference": {k: v for k, v in ref.items() if k != "flags"},
-        "flags": sorted({f for m in measured for f in m.flags}),
+        "flags": all_flags(measured),
         "errors_absolute": val.errors(rows, measured="abs"),
     }
 

@@ -179,14 +179,18 @@ def run(
     label = f"{engine.name} {engine.version()} on {engine.device()}" + (
         " (estimated, not measured)" if engine.estimated else ""
     )
+    from autocompress_nemo.costs.engines.paired import all_flags
+
     b_now, ref = budgets_measured(ctx, measured[0], wl, pspec, budget)
+    for f in all_flags(measured):
+        ctx.say(f"[evaluate] flagged: {f}")
     if ref is not None:
         results["timing"] = {
             "method": "ratio to the parent timed in the same rounds; PASS / FAIL on the ratio",
             "reference": {k: v for k, v in measured[0].reference.items() if k != "flags"},
             "parent_measured": {k: ref[k] for k in budget},
             "budgets_measured": b_now,
-            "flags": sorted({f for m in measured for f in m.flags}),
+            "flags": all_flags(measured),
         }
     for n, m in zip(models, measured, strict=True):
         meas = measured_metrics(m, wl, models[n][0])

@@ -302,7 +302,13 @@ def verify_measured(
         if is_rank0():
             m = engine.measure_many([child], wl, reference=parent.replace(name="parent"))[0]
             b_now, ref = budgets_measured(ctx, m, wl, parent, budget)
-            info = {k: getattr(m, k) for k in ("ratio", "ratio_spread", "flags") if getattr(m, k, None)}
+            info = {k: getattr(m, k) for k in ("ratio", "ratio_spread") if getattr(m, k, None)}
+            if getattr(m, "reference", None):
+                from autocompress_nemo.costs.engines.paired import all_flags
+
+                info["flags"] = all_flags([m])
+                for f in info["flags"]:
+                    ctx.say(f"[search:verify] flagged: {f}")
             if ref is not None:
                 info.update(
                     parent_measured={k: ref[k] for k in budget},

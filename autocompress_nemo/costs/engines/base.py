@@ -305,20 +305,6 @@ class CpuTimedEngine(Engine):
         p.update(threads=self.threads(), clock=self.clock())
         return p
 
-    def schedule(self, rounds: int | None, min_steps: int) -> Any:
-        """Rounds, per-round prefills and decode steps, and the reference settings of one ``measure_many``."""
-        from autocompress_nemo.costs.engines.paired import Schedule
-
-        rounds = int(rounds or self.settings.rounds)
-        return Schedule(
-            rounds=rounds,
-            prefills=max(1, -(-int(self.cfg.repeats) // rounds)),
-            steps=max(min_steps, -(-self.timed_decode_steps() // rounds)),
-            chunk=int(self.settings.reference_chunk),
-            tolerance=float(self.settings.reference_tolerance),
-            percentile=float(self.cfg.percentile),
-        )
-
     def uses_reference(self) -> bool:
         r = str(self.settings.reference)
         if r not in ("parent", "none"):

@@ -51,6 +51,7 @@ import numpy as np
 
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.costs.engines.base import CpuTimedEngine, Measurement, Workload
+from autocompress_nemo.costs.engines.paired import interleave
 
 _MIB = 1024.0 * 1024.0
 _LOG: list[str] = []
@@ -219,27 +220,22 @@ class LlamaCppEngine(CpuTimedEngine):
             self.runs += 1
             return _LlamaLive(self, paths[i], specs[i].vocab, workload, timing)
 
-        from autocompress_nemo.costs.engines.paired import measure_interleaved
-
         try:
-            out = measure_interleaved(
-                len(specs),
+            return interleave(
+                self,
+                specs,
                 open_model,
-                self.schedule(rounds, 4),
-                open_reference=open_reference,
+                open_reference,
+                ("weights", "kv", "compute", "output"),
+                rounds=rounds,
+                min_steps=4,
                 scale=scale,
                 timing=timing,
-                names=[s.name or f"model{i}" for i, s in enumerate(specs)],
                 log=log,
             )
         finally:
             for p in written:
                 p.unlink(missing_ok=True)
-        for m in out:
-            parts = m.memory
-            m.memory = {k: parts.get(k, 0.0) for k in ("weights", "kv", "compute", "output")}
-            m.raw.update({f"memory_{k}": [parts[k]] for k in ("k", "v") if k in parts})
-        return out
 
 
 class _LlamaLive:

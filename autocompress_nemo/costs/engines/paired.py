@@ -17,9 +17,11 @@ turn of a round alternates with the reference sample by sample for prefills
 ``R_k M_k R_k ... M_k R_k``); every model sample (chunk) is divided by the mean of the reference
 samples (chunks) on either side of it. The model's ratio is the median of these per-pair ratios,
 its spread their relative IQR. A model whose ratios spread more than
-``settings.reference_tolerance`` gets one more turn; still spread, it is *flagged* (kept in the
-result, named in the log and the report, never silently used). The reference's own variation
-between rounds and the load average (``os.getloadavg``) before and after are recorded.
+``settings.reference_tolerance`` gets one more turn; still spread, it is *flagged*
+(``Measurement.flags``: kept in the result, named in the log and the report by the caller, never
+silently used). The reference's own variation between rounds (flagged above the same tolerance, in
+``Measurement.reference['flags']``, once per call) and the load average (``os.getloadavg``) before
+and after are recorded.
 
 A result's ``prefill_ms`` / ``decode_ms`` are ``ratio x scale``: ``scale`` given by the caller (the
 cost table's reference times, so validation compares like with like) or the reference's own time
@@ -187,8 +189,8 @@ def measure_interleaved(
                 if ref is not None:  # one more turn for a model whose ratios spread too much
                     for i in group:
                         if _unstable(series[i], sched.tolerance):
-                            if log:
-                                log(f"    {names[i]}: ratios to the {reference_name} spread; one more turn")
+                            if log:  # a run like the others for progress callbacks
+                                log(f"    one more round: {names[i]} (its ratios to the {reference_name} spread)")
                             _turn(i, live, open_model, ref, sched, series, rseries, mems, walls, keep)
             finally:
                 for m in live.values():
@@ -212,12 +214,22 @@ def measure_interleaved(
         meas.raw.update({k: v for k, v in raw.items() if k not in TIMED})
         meas.spread.update({k: spread(v) for k, v in raw.items() if k.endswith("_ms") and k not in TIMED and v})
         if ref_info is not None and timing:
-            _apply_ratios(meas, s, ref_info, scale, sched.tolerance, names[i], log)
+            _apply_ratios(meas, s, ref_info, scale, sched.tolerance, names[i])
         out.append(meas)
     if out and not timing:
         for m in out:
             m.wall_s = wall_all / n
     return out
+
+
+def all_flags(measurements: Iterable[Measurement]) -> list[str]:
+    """Every flag of these measurements (a model's spread ratios) and of their reference (its variation
+    between rounds), each once."""
+    out: dict[str, None] = {}
+    for m in measurements:
+        for f in [*m.flags, *(m.reference or {}).get("flags", [])]:
+            out.setdefault(f, None)
+    return list(out)
 
 
 def _turn(
@@ -279,7 +291,6 @@ def _apply_ratios(
     scale: dict[str, float] | None,
     tol: float,
     name: str,
-    log: Callable[[str], None] | None,
 ) -> None:
     """``prefill_ms`` / ``decode_ms`` := median ratio x scale; the model's own statistic kept as ``absolute``."""
     meas.absolute = {p: getattr(meas, p) for p in TIMED}
@@ -298,8 +309,46 @@ def _apply_ratios(
                 f"{name}: its {p[:-3]} ratios to the {ref['name']} spread {100 * rel_iqr(q):.1f}% "
                 f"(relative IQR over {len(q)} pairs; tolerance {100 * tol:.0f}%)"
             )
-    meas.flags.extend(ref.get("flags", []))
     meas.scale = {p: float((scale or {}).get(p) or ref.get(p, 0.0)) for p in TIMED}
-    if log:
-        for f in meas.flags:
-            log(f"    flagged: {f}")
+
+
+def schedule_of(engine: Any, rounds: int | None, min_steps: int) -> Schedule:
+    """Rounds, per-round prefills and decode steps, and the reference settings of one ``measure_many``
+    of a CPU-timed ``engine`` (``engine.cfg``: repeats, percentile, settings)."""
+    rounds = int(rounds or engine.settings.rounds)
+    return Schedule(
+        rounds=rounds,
+        prefills=max(1, -(-int(engine.cfg.repeats) // rounds)),
+        steps=max(min_steps, -(-engine.timed_decode_steps() // rounds)),
+        chunk=int(engine.settings.reference_chunk),
+        tolerance=float(engine.settings.reference_tolerance),
+        percentile=float(engine.cfg.percentile),
+    )
+
+
+def interleave(
+    engine: Any,
+    specs: list[Any],
+    open_model: Callable[[int], Live],
+    open_reference: Callable[[], Live] | None,
+    parts: tuple[str, ...],
+    *,
+    rounds: int | None,
+    min_steps: int,
+    **kw: Any,
+) -> list[Measurement]:
+    """``measure_interleaved`` over ``specs`` with ``engine``'s schedule; each result's memory cut to the
+    engine's ``parts`` (any other part the engine reported kept as ``raw['memory_<part>']``)."""
+    out = measure_interleaved(
+        len(specs),
+        open_model,
+        schedule_of(engine, rounds, min_steps),
+        open_reference=open_reference,
+        names=[s.name or f"model{i}" for i, s in enumerate(specs)],
+        **kw,
+    )
+    for m in out:
+        reported = m.memory
+        m.memory = {k: reported.get(k, 0.0) for k in parts}
+        m.raw.update({f"memory_{k}": [v] for k, v in reported.items() if k not in m.memory})
+    return out

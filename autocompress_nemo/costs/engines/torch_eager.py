@@ -55,6 +55,7 @@ import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
 from autocompress_nemo.costs.engines.base import CpuTimedEngine, Measurement, Workload
+from autocompress_nemo.costs.engines.paired import interleave
 
 LABEL = "PyTorch eager (transformers) on CPU — a measurement engine, not a production serving engine"
 _MAMBA_OPS = (
@@ -242,7 +243,6 @@ class TorchEagerEngine(CpuTimedEngine):
         ``ceil(repeats / rounds)`` prefills and ``ceil(decode_steps / rounds)`` decode steps (the first
         turn after ``decode_warmup`` untimed steps, so its weights are cache-warm as in a lone run).
         Many short rounds spread slow drift of a shared machine over all models alike."""
-        from autocompress_nemo.costs.engines.paired import measure_interleaved
         from autocompress_nemo.models.hybrid.state_dict import random_hf_state_dict
 
         weights = weights or [None] * len(specs)
@@ -272,25 +272,22 @@ class TorchEagerEngine(CpuTimedEngine):
                     def open_reference() -> _Live:
                         return build(reference, None, mn)
 
-                out = measure_interleaved(
-                    len(specs),
+                return interleave(
+                    self,
+                    specs,
                     open_model,
-                    self.schedule(rounds, 2),
-                    open_reference=open_reference,
+                    open_reference,
+                    ("weights", "kv", "state", "compute", "output"),
+                    rounds=rounds,
+                    min_steps=2,
                     scale=scale,
                     keep=True,
                     groups=self._groups(specs),
                     timing=timing,
-                    names=[s.name or f"model{i}" for i, s in enumerate(specs)],
                     log=log,
                 )
         finally:
             torch.set_num_threads(old_threads)
-        for m in out:
-            parts = m.memory
-            m.memory = {k: parts.get(k, 0.0) for k in ("weights", "kv", "state", "compute", "output")}
-            m.raw.update({f"memory_{k}": [v] for k, v in parts.items() if k not in m.memory})
-        return out
 
     def _groups(self, specs: list[ArchSpec]) -> list[list[int]]:
         """Consecutive groups of models whose weights together fit ``settings.hold_bytes``."""

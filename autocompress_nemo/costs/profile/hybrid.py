@@ -82,7 +82,7 @@ def build_hybrid_table(
         t_start,
         settings,
         profile_model_hashes=sorted({spec_hash(s) for s in specs}),
-        **reference_record(results),
+        **reference_record(results, log),
         **extra,
     )
     log(

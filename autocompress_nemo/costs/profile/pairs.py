@@ -204,7 +204,7 @@ def build_pairs_table(
     memory["compute_range"] = [min(seen), max(seen)]  # over profiling models and probes
     return CostTable(
         provenance=table_provenance(
-            engine, workload, parent, len(jobs), t_start, settings, **reference_record(results)
+            engine, workload, parent, len(jobs), t_start, settings, **reference_record(results, log)
         ),
         parent=parent,
         intercept=intercept,

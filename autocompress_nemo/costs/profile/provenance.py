@@ -73,13 +73,18 @@ def run_row(s: ArchSpec, m: Measurement, **extra: Any) -> dict[str, Any]:
     return row
 
 
-def reference_record(results: list[Measurement]) -> dict[str, Any]:
+def reference_record(results: list[Measurement], log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """What the table keeps about the reference its times are ratios to: its absolute times and their
     variation between rounds, the load average, and every flagged measurement (empty: no reference)."""
     ref = next((m.reference for m in results if m.reference), None)
     if not ref:
         return {}
-    flags = sorted({f for m in results for f in m.flags})
+    from autocompress_nemo.costs.engines.paired import all_flags
+
+    flags = all_flags(results)
+    if log is not None:
+        for f in flags:
+            log(f"[profile] flagged: {f}")
     return {
         "reference": {**ref, "flags": flags},
         "timing": f"ratio to the {ref['name']} timed in the same rounds x the {ref['name']}'s time in this profile",
