@@ -51,6 +51,17 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
+def rank0_dir(path: str | Path) -> Path:
+    """Rank 0's ``path`` on every rank. The pipeline hands the other ranks a scratch directory
+    (only rank 0 writes artifacts) but a distributed checkpoint is written by every rank, each its
+    own shards, into one directory: rank 0's (a filesystem every rank sees, as for ``run_dir``)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return Path(path)
+    obj = [str(path)]
+    torch.distributed.broadcast_object_list(obj, src=0)
+    return Path(obj[0])
+
+
 def _unwrap(model: Any) -> Any:
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
         model = model.module
@@ -59,11 +70,11 @@ def _unwrap(model: Any) -> Any:
 
 def save_checkpoint(model: Any, spec: ArchSpec, out_dir: str | Path, iteration: int = 0) -> Path:
     """Write ``model`` (a Megatron ``GPTModel`` / ``HybridModel`` built here) as a Megatron-LM
-    distributed checkpoint under ``out_dir``; returns the iteration directory."""
+    distributed checkpoint under rank 0's ``out_dir`` (``rank0_dir``); returns the iteration directory."""
     compat_cpu.apply()
     from megatron.core import dist_checkpointing
 
-    out = Path(out_dir)
+    out = rank0_dir(out_dir)
     ckpt = out / iteration_dir(iteration)
     if _rank0():
         ckpt.mkdir(parents=True, exist_ok=True)
@@ -106,7 +117,7 @@ def load_checkpoint(model: Any, ckpt_dir: str | Path) -> int:
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     m = _unwrap(model)
-    path = checkpoint_path(ckpt_dir)
+    path = checkpoint_path(rank0_dir(ckpt_dir))
     state = dist_checkpointing.load(
         {"model": m.sharded_state_dict(), "iteration": 0}, str(path), strict=StrictHandling.RAISE_ALL
     )
