@@ -3,7 +3,8 @@
 Layout (Megatron-LM's, so ``--load <dir>`` finds it)::
 
     <dir>/latest_checkpointed_iteration.txt   "release" (iteration 0) or the iteration number
-    <dir>/release/ or <dir>/iter_0000050/     the torch_dist checkpoint: metadata.json, common.pt, *.distcp
+    <dir>/release/ or <dir>/iter_0000050/     the torch_dist checkpoint: metadata.json, *.distcp
+    <dir>/heterogeneous_layers_config.json    dense students: the per-layer block_configs
     <dir>/megatron_args.json                  the Megatron-LM / Megatron-Bridge arguments of the model
     <dir>/spec.json                           this project's ArchSpec (reads the model back exactly)
 
@@ -209,3 +210,55 @@ def megatron_args(spec: ArchSpec, model: Any) -> dict[str, Any]:
     args["expressible"] = not notes
     args["not_expressible_because"] = notes
     return args
+
+
+def _main(argv: list[str] | None = None) -> None:
+    """``python -m autocompress_nemo.models.dist_checkpoint save WEIGHTS_DIR OUT_DIR`` writes a
+    weights directory (``spec.json`` + ``model.safetensors``: an extract / distill artifact, also of
+    runs made before these checkpoints existed) as a Megatron-LM distributed checkpoint;
+    ``... load CKPT_DIR`` builds the model from the checkpoint's ``spec.json``, loads it and prints
+    its iteration, parameter count and the logits of a fixed token sequence. Both run under
+    ``torchrun --nproc_per_node N`` at TP=N."""
+    import argparse
+    import os
+
+    from autocompress_nemo.context import load_weights
+    from autocompress_nemo.distributed import init_distributed
+    from autocompress_nemo.models.builder import build_model, forward_logits
+    from autocompress_nemo.models.hybrid.state_dict import hf_to_megatron
+
+    ap = argparse.ArgumentParser(prog="python -m autocompress_nemo.models.dist_checkpoint")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("save", help="weights directory -> Megatron-LM distributed checkpoint")
+    s.add_argument("weights_dir")
+    s.add_argument("out_dir")
+    s.add_argument("--iteration", type=int, default=0)
+    ld = sub.add_parser("load", help="load a checkpoint at TP=WORLD_SIZE and run it once")
+    ld.add_argument("ckpt_dir")
+    a = ap.parse_args(argv)
+    init_distributed(tp=int(os.environ.get("WORLD_SIZE", "1")), seed=0)
+    if a.cmd == "save":
+        spec, sd = load_weights(Path(a.weights_dir))
+        model = build_model(spec)
+        hf_to_megatron(spec, sd, model)
+        path = save_checkpoint(model, spec, a.out_dir, iteration=a.iteration)
+        if _rank0():
+            print(f"{spec.name}: Megatron-LM checkpoint (torch_dist) -> {path}")
+        return
+    spec = read_spec(a.ckpt_dir)
+    model = build_model(spec).eval()
+    it = load_checkpoint(model, a.ckpt_dir)
+    x = torch.arange(16).remainder(spec.vocab).unsqueeze(0)
+    with torch.no_grad():
+        logits = forward_logits(model, x)
+    n = sum(p.numel() for p in model.parameters())
+    if _rank0():
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        print(
+            f"{spec.name}: iteration {it}, TP={world}, {n:,} parameters on rank 0, "
+            f"logits[0, -1, :4] = {[round(v, 4) for v in logits[0, -1, :4].tolist()]}"
+        )
+
+
+if __name__ == "__main__":
+    _main()
