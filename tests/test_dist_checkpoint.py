@@ -240,16 +240,16 @@ def test_distill_from_dist_checkpoint_follows_the_in_memory_run(megatron_tp1, tm
             assert torch.equal(a, b), k
 
 
-def _save_at_tp(rank: int, world: int, spec_json: str, hf: dict, dirs: list[str]) -> None:
-    """Build at TP=world holding ``hf``; each rank is handed its own directory (as the pipeline's
-    non-zero ranks get a scratch one): the checkpoint lands whole in rank 0's."""
+def _save_at(rank: int, world: int, spec_json: str, hf: dict, dirs: list[str], ep: int = 1) -> None:
+    """Build at TP=world (or EP=world) holding ``hf``; each rank is handed its own directory (as the
+    pipeline's non-zero ranks get a scratch one): the checkpoint lands whole in rank 0's."""
     from autocompress_nemo.distributed import init_distributed
     from autocompress_nemo.models.builder import build_model
     from autocompress_nemo.models.dist_checkpoint import save_checkpoint
     from autocompress_nemo.models.hybrid.state_dict import hf_to_megatron
 
     spec = ArchSpec.from_json(spec_json)
-    init_distributed(tp=world, seed=0)
+    init_distributed(tp=1 if ep > 1 else world, ep=ep, seed=0)
     model = build_model(spec, init_seed=0, impl="local")
     hf_to_megatron(spec, hf, model)
     save_checkpoint(model, spec, dirs[rank], iteration=7)
@@ -264,9 +264,27 @@ def test_tp2_checkpoint_lands_in_rank0_dir_and_loads_at_tp1(megatron_tp1, tmp_pa
     spec = tiny_hetero_spec()
     hf = random_hf_state_dict(spec, seed=6)
     dirs = [str(tmp_path / "rank0"), str(tmp_path / "rank1_scratch")]
-    spawn(_save_at_tp, 2, spec.to_json(), hf, dirs)
+    spawn(_save_at, 2, spec.to_json(), hf, dirs)
     assert not (tmp_path / "rank1_scratch").exists()
     model = build_model(spec, init_seed=3, impl="local")
     assert load_checkpoint(model, dirs[0]) == 7
     back = megatron_to_hf(spec, model)
     assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+@requires_mamba
+@pytest.mark.distributed
+def test_ep2_checkpoint_loads_at_ep1(megatron_tp1, tmp_path: Path) -> None:
+    """Routed experts split over 2 expert-parallel ranks (DP=2 for the rest) are written whole."""
+    from autocompress_nemo.models.builder import build_model
+    from autocompress_nemo.models.dist_checkpoint import load_checkpoint
+    from autocompress_nemo.models.hybrid.state_dict import megatron_to_hf, random_hf_state_dict
+
+    spec = hetero_hybrid_spec()
+    hf = random_hf_state_dict(spec, seed=8)
+    dirs = [str(tmp_path / "rank0"), str(tmp_path / "rank1_scratch")]
+    spawn(_save_at, 2, spec.to_json(), hf, dirs, 2)
+    model = build_model(spec, init_seed=3, impl="local")
+    assert load_checkpoint(model, dirs[0]) == 7
+    back = megatron_to_hf(spec, model)
+    assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)

@@ -196,9 +196,12 @@ def megatron_args(spec: ArchSpec, model: Any) -> dict[str, Any]:
             getattr(model.decoder, "layer_type_list", [])
         )
         per_kind: dict[str, set] = {}
+        first: dict[str, Any] = {}
         for b in spec.blocks:
             if not b.removed:
                 per_kind.setdefault(type(b).__name__, set()).add(b)
+                first.setdefault(b.kind, b)
+        args.update(_hybrid_block_args(first))
         varied = sorted(k for k, v in per_kind.items() if len(v) > 1)
         if varied:
             notes.append(
@@ -210,6 +213,34 @@ def megatron_args(spec: ArchSpec, model: Any) -> dict[str, Any]:
     args["expressible"] = not notes
     args["not_expressible_because"] = notes
     return args
+
+
+def _hybrid_block_args(first: dict[str, Any]) -> dict[str, Any]:
+    """Megatron-LM's hybrid arguments from the first kept block of each kind (the only shapes its
+    one-config ``HybridModel`` can take)."""
+    out: dict[str, Any] = {}
+    if "mamba" in first:
+        m = first["mamba"]
+        out.update(
+            mamba_num_heads=m.num_heads,
+            mamba_head_dim=m.head_dim,
+            mamba_state_dim=m.state_size,
+            mamba_num_groups=m.num_groups,
+        )
+    if "moe" in first:
+        e = first["moe"]
+        out.update(
+            num_experts=e.num_experts,
+            moe_ffn_hidden_size=e.expert_ffn,
+            moe_router_topk=e.top_k,
+            moe_shared_expert_intermediate_size=e.shared_ffn or None,
+        )
+    act = next((first[k].activation for k in ("mlp", "moe") if k in first), None)
+    if act is not None:
+        out.update(swiglu=act == "swiglu", squared_relu=act == "relu2")
+    if "mlp" in first:
+        out["ffn_hidden_size"] = first["mlp"].ffn
+    return out
 
 
 def _main(argv: list[str] | None = None) -> None:
