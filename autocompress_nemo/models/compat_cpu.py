@@ -6,7 +6,8 @@ what Megatron assumes and why replacing it is safe. ``apply()`` is idempotent an
 no-op when CUDA is available (on GPU nothing is patched; the real code paths run).
 
 Later adaptations (MoE alltoall dispatcher streams, Mamba scan / norm stand-ins, DDP
-tensor factories) are added to ``PATCHES`` the same way.
+tensor factories, the ``dist_checkpointing`` writer's CUDA synchronize) are added to ``PATCHES``
+the same way.
 
 Besides the patches this module provides ``SequenceParallelTorchNorm``: Megatron's
 local (non Transformer-Engine) norm refuses ``sequence_parallel``; the builder uses this
