@@ -1,7 +1,8 @@
 """Megatron-LM distributed checkpoints (``models.dist_checkpoint``, torch_dist) out and in, on CPU.
 
 - a checkpoint written at TP=1 loads at TP=2 (two gloo ranks): the same weights exactly, the same
-  logits (within float32 reduction order, as in tests/test_tp_parity.py);
+  logits (within float32 reduction order, as in tests/test_tp_parity.py); written again at TP=2 (and
+  at EP=2) it lands whole in rank 0's directory and loads at TP=1 / EP=1 with the same weights;
 - a hybrid student with removed blocks (``NoOpBlock``) saves and loads exactly;
 - the saved tensor keys are the Transformer Engine spec's, although the model is built from local
   specs (Transformer Engine cannot be installed here: the expectations are stated per test);
@@ -34,11 +35,13 @@ def _model(spec: ArchSpec, seed: int):  # noqa: ANN202
     return model.eval(), hf
 
 
-def _load_and_run(rank: int, world: int, spec_json: str, ckpt: str, x: torch.Tensor) -> tuple:
-    """On each rank: build at TP=world with other weights, load the checkpoint, forward."""
+def _load_and_run(rank: int, world: int, spec_json: str, ckpt: str, x: torch.Tensor, dirs: list[str]) -> tuple:
+    """On each rank: build at TP=world with other weights, load the checkpoint, forward; then save
+    the model again, each rank handed its own directory (as the pipeline's non-zero ranks get a
+    scratch one): the checkpoint must land whole in rank 0's."""
     from autocompress_nemo.distributed import init_distributed
     from autocompress_nemo.models.builder import build_model, forward_logits
-    from autocompress_nemo.models.dist_checkpoint import load_checkpoint
+    from autocompress_nemo.models.dist_checkpoint import load_checkpoint, save_checkpoint
     from autocompress_nemo.models.hybrid.state_dict import megatron_to_hf
 
     spec = ArchSpec.from_json(spec_json)
@@ -47,6 +50,7 @@ def _load_and_run(rank: int, world: int, spec_json: str, ckpt: str, x: torch.Ten
     load_checkpoint(model, ckpt)
     with torch.no_grad():
         logits = forward_logits(model, x)
+    save_checkpoint(model, spec, dirs[rank], iteration=7)
     return logits, megatron_to_hf(spec, model)
 
 
@@ -61,9 +65,10 @@ def _tp2_hybrid_spec() -> ArchSpec:
 @pytest.mark.parametrize(
     "make", [tiny_hetero_spec, pytest.param(_tp2_hybrid_spec, marks=requires_mamba)], ids=["dense", "hybrid"]
 )
-def test_tp1_checkpoint_loads_at_tp2(megatron_tp1, tmp_path: Path, make) -> None:  # noqa: ANN001
-    from autocompress_nemo.models.builder import forward_logits
-    from autocompress_nemo.models.dist_checkpoint import TRACKER, save_checkpoint
+def test_checkpoints_move_between_tp1_and_tp2(megatron_tp1, tmp_path: Path, make) -> None:  # noqa: ANN001
+    from autocompress_nemo.models.builder import build_model, forward_logits
+    from autocompress_nemo.models.dist_checkpoint import TRACKER, load_checkpoint, save_checkpoint
+    from autocompress_nemo.models.hybrid.state_dict import megatron_to_hf
 
     spec = make()
     model, hf = _model(spec, seed=4)
@@ -73,7 +78,8 @@ def test_tp1_checkpoint_loads_at_tp2(megatron_tp1, tmp_path: Path, make) -> None
     ckpt = save_checkpoint(model, spec, tmp_path / "ckpt")
     assert ckpt.name == "release" and (tmp_path / "ckpt" / TRACKER).read_text() == "release"
     assert (ckpt / "metadata.json").is_file()
-    per_rank = spawn(_load_and_run, 2, spec.to_json(), str(tmp_path / "ckpt"), x)
+    dirs = [str(tmp_path / "tp2"), str(tmp_path / "rank1_scratch")]
+    per_rank = spawn(_load_and_run, 2, spec.to_json(), str(tmp_path / "ckpt"), x, dirs)
     worst = 0.0
     for logits, hf_back in per_rank:
         assert set(hf_back) == set(hf)
@@ -82,6 +88,12 @@ def test_tp1_checkpoint_loads_at_tp2(megatron_tp1, tmp_path: Path, make) -> None
         worst = max(worst, (logits - ref).abs().max().item())
     print(f"{spec.name}: TP=1 checkpoint loaded at TP=2: max |dlogits| = {worst:.2e}")
     assert worst < TOL
+    # ... and written at TP=2 (into rank 0's directory only), loaded at TP=1: the same weights
+    assert not (tmp_path / "rank1_scratch").exists()
+    back = build_model(spec, init_seed=3, impl="local")
+    assert load_checkpoint(back, dirs[0]) == 7
+    back_hf = megatron_to_hf(spec, back)
+    assert set(back_hf) == set(hf) and all(torch.equal(back_hf[k], hf[k]) for k in hf)
 
 
 @requires_mamba
@@ -107,6 +119,14 @@ def test_hybrid_with_removed_blocks_round_trips(megatron_tp1, tmp_path: Path) ->
             assert torch.equal(a, b), k
     with torch.no_grad():
         assert torch.equal(forward_logits(other, x), ref)
+    # the common state Megatron-LM's load_checkpoint reads before anything else
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(tmp_path / "ckpt" / "iter_0000050"))
+    assert common["iteration"] == 50 and common["checkpoint_version"] == 3.0
+    ck = common["args"]
+    assert (ck.tensor_model_parallel_size, ck.pipeline_model_parallel_size, ck.num_layers) == (1, 1, 12)
+    assert ck.no_save_rng and ck.no_save_optim and ck.hybrid_layer_pattern == "M*EME-*EM-*E"
     args = json.loads((tmp_path / "ckpt" / "megatron_args.json").read_text())
     assert args == json.loads(json.dumps(megatron_args(spec, model)))
     assert args["model"] == "HybridModel" and args["hybrid_layer_pattern"] == "M*EME-*EM-*E"
@@ -240,36 +260,19 @@ def test_distill_from_dist_checkpoint_follows_the_in_memory_run(megatron_tp1, tm
             assert torch.equal(a, b), k
 
 
-def _save_at(rank: int, world: int, spec_json: str, hf: dict, dirs: list[str], ep: int = 1) -> None:
-    """Build at TP=world (or EP=world) holding ``hf``; each rank is handed its own directory (as the
-    pipeline's non-zero ranks get a scratch one): the checkpoint lands whole in rank 0's."""
+def _save_at_ep(rank: int, world: int, spec_json: str, hf: dict, dirs: list[str]) -> None:
+    """Build at EP=world holding ``hf``; each rank is handed its own directory: the checkpoint
+    lands whole in rank 0's."""
     from autocompress_nemo.distributed import init_distributed
     from autocompress_nemo.models.builder import build_model
     from autocompress_nemo.models.dist_checkpoint import save_checkpoint
     from autocompress_nemo.models.hybrid.state_dict import hf_to_megatron
 
     spec = ArchSpec.from_json(spec_json)
-    init_distributed(tp=1 if ep > 1 else world, ep=ep, seed=0)
+    init_distributed(tp=1, ep=world, seed=0)
     model = build_model(spec, init_seed=0, impl="local")
     hf_to_megatron(spec, hf, model)
     save_checkpoint(model, spec, dirs[rank], iteration=7)
-
-
-@pytest.mark.distributed
-def test_tp2_checkpoint_lands_in_rank0_dir_and_loads_at_tp1(megatron_tp1, tmp_path: Path) -> None:
-    from autocompress_nemo.models.builder import build_model
-    from autocompress_nemo.models.dist_checkpoint import load_checkpoint
-    from autocompress_nemo.models.hybrid.state_dict import megatron_to_hf, random_hf_state_dict
-
-    spec = tiny_hetero_spec()
-    hf = random_hf_state_dict(spec, seed=6)
-    dirs = [str(tmp_path / "rank0"), str(tmp_path / "rank1_scratch")]
-    spawn(_save_at, 2, spec.to_json(), hf, dirs)
-    assert not (tmp_path / "rank1_scratch").exists()
-    model = build_model(spec, init_seed=3, impl="local")
-    assert load_checkpoint(model, dirs[0]) == 7
-    back = megatron_to_hf(spec, model)
-    assert all(torch.equal(back[k], hf[k]) for k in hf)
 
 
 @requires_mamba
@@ -283,7 +286,8 @@ def test_ep2_checkpoint_loads_at_ep1(megatron_tp1, tmp_path: Path) -> None:
     spec = hetero_hybrid_spec()
     hf = random_hf_state_dict(spec, seed=8)
     dirs = [str(tmp_path / "rank0"), str(tmp_path / "rank1_scratch")]
-    spawn(_save_at, 2, spec.to_json(), hf, dirs, 2)
+    spawn(_save_at_ep, 2, spec.to_json(), hf, dirs)
+    assert not (tmp_path / "rank1_scratch").exists()
     model = build_model(spec, init_seed=3, impl="local")
     assert load_checkpoint(model, dirs[0]) == 7
     back = megatron_to_hf(spec, model)

@@ -8,9 +8,9 @@ Layout (Megatron-LM's, so ``--load <dir>`` finds it)::
     <dir>/megatron_args.json                  the Megatron-LM / Megatron-Bridge arguments of the model
     <dir>/spec.json                           this project's ArchSpec (reads the model back exactly)
 
-The checkpoint holds ``{"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": n}``
-like Megatron-LM's own (no optimizer, no RNG state: continue with ``--finetune --no-load-optim
---no-load-rng``). Its tensor keys are those of the Transformer Engine layer specs whichever spec
+The checkpoint holds ``{"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": n,
+"args": Namespace}`` like Megatron-LM's own (``checkpoint_args``; no optimizer, no RNG state: continue
+with ``--finetune --no-load-optim --no-load-rng``). Its tensor keys are those of the Transformer Engine layer specs whichever spec
 built the model (the local specs rename their separate norms, ``models.builder.te_keys_map``), and
 tensors are stored whole with their TP sharding described, so a checkpoint written at one TP size
 loads at another.
@@ -23,6 +23,7 @@ Every function is collective: every rank of the model-parallel world calls it.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,12 @@ def save_checkpoint(model: Any, spec: ArchSpec, out_dir: str | Path, iteration: 
         ckpt.mkdir(parents=True, exist_ok=True)
     _barrier()
     m = _unwrap(model)
-    state = {"model": m.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+    state = {
+        "model": m.sharded_state_dict(),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "args": checkpoint_args(spec, m),
+    }
     dist_checkpointing.save(state, str(ckpt))
     if _rank0():
         (out / SPEC).write_text(spec.to_json())
@@ -93,6 +99,28 @@ def save_checkpoint(model: Any, spec: ArchSpec, out_dir: str | Path, iteration: 
         (out / TRACKER).write_text("release" if iteration == 0 else str(iteration))  # last: the checkpoint is whole
     _barrier()
     return ckpt
+
+
+NOT_ARGUMENTS = ("model", "expressible", "not_expressible_because", "heterogeneous_layers_config")
+
+
+def checkpoint_args(spec: ArchSpec, model: Any) -> argparse.Namespace:
+    """The ``args`` entry of the checkpoint's common state: Megatron-LM's ``load_checkpoint`` reads
+    ``state_dict['args'].tensor_model_parallel_size`` / ``pipeline_model_parallel_size`` (and
+    ``no_save_rng`` / ``no_save_optim``) from every torch_dist checkpoint before loading it, and
+    ``--use-checkpoint-args`` takes the model's arguments from it."""
+    from megatron.core import parallel_state as ps
+
+    fields = {k: v for k, v in megatron_args(spec, model).items() if k not in NOT_ARGUMENTS}
+    fields.update(
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size()
+        if ps.model_parallel_is_initialized()
+        else 1,
+        pipeline_model_parallel_size=1,
+        no_save_rng=True,
+        no_save_optim=True,
+    )
+    return argparse.Namespace(**fields)
 
 
 def checkpoint_path(ckpt_dir: str | Path) -> Path:
@@ -250,7 +278,6 @@ def _main(argv: list[str] | None = None) -> None:
     ``... load CKPT_DIR`` builds the model from the checkpoint's ``spec.json``, loads it and prints
     its iteration, parameter count and the logits of a fixed token sequence. Both run under
     ``torchrun --nproc_per_node N`` at TP=N."""
-    import argparse
     import os
 
     from autocompress_nemo.context import load_weights
