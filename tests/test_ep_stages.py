@@ -203,7 +203,16 @@ def _stages(rank: int, world: int, out_dir: str) -> dict:
         finally:
             del ctx.batch_at
         r = read_json(d / "distill.json")
+        # the stage's Megatron-LM checkpoint (every rank's shards in rank 0's directory), read back
+        from autocompress_nemo.models.builder import build_model
+        from autocompress_nemo.models.dist_checkpoint import load_checkpoint, read_spec
+        from autocompress_nemo.models.hybrid.state_dict import megatron_to_hf
+
+        cspec = read_spec(d / "megatron")
+        fresh = build_model(cspec, init_seed=99)
+        it = load_checkpoint(fresh, d / "megatron")
         return {
+            "megatron": (it, megatron_to_hf(cspec, fresh)),
             "loss": [h["loss"] for h in r["history"]],
             "grad_norm": [h["grad_norm"] for h in r["history"]],
             "weights": load_weights(d)[1],
@@ -290,6 +299,9 @@ def test_ep2_distill_equals_ep1_and_resumes(runs) -> None:
         "(clipped above 1.0)"
     )
     assert ref["distill_resumed"]["resumed_from"] == 2 and ref["shards"] == ["mp_tp00_pp000.pt"]
+    for out in [ref, *two]:  # the distilled student's Megatron-LM checkpoint holds the stage's weights
+        it, megatron_weights = out["distill"]["megatron"]
+        assert it == len(d["loss"]) and _worst(megatron_weights, out["distill"]["weights"]) == 0.0
     assert _worst(ref["distill_resumed"]["weights"], d["weights"]) == 0.0  # one process: bitwise
     for r, out in enumerate(two):
         o = out["distill"]

@@ -148,7 +148,13 @@ class Attention(Kind):
         return ModuleSpec(
             module=TransformerLayer,
             submodules=TransformerLayerSubmodules(
-                input_layernorm=m["norm"], self_attention=attention, self_attn_bda=get_bias_dropout_add
+                input_layernorm=m["norm"],
+                self_attention=attention,
+                self_attn_bda=get_bias_dropout_add,
+                # checkpoint keys as with TE (norm fused into linear_qkv): models.builder.te_keys_map
+                sharded_state_dict_keys_map={}
+                if m["te"]
+                else {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"},
             ),
         )
 

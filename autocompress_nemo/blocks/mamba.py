@@ -143,7 +143,13 @@ class Mamba(Kind):
         )
         return ModuleSpec(
             module=MambaLayer,
-            submodules=MambaLayerSubmodules(norm=m["norm"], mixer=mixer, mamba_bda=get_bias_dropout_add),
+            submodules=MambaLayerSubmodules(
+                norm=m["norm"],
+                mixer=mixer,
+                mamba_bda=get_bias_dropout_add,
+                # checkpoint keys as with TE (norm fused into in_proj): models.builder.te_keys_map
+                sharded_state_dict_keys_map={} if m["te"] else {"norm.": "mixer.in_proj.layer_norm_"},
+            ),
         )
 
     def shard_problem(self, b: MambaBlock, tp: int, ep: int, etp: int) -> str | None:

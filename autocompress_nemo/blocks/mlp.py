@@ -138,5 +138,11 @@ def dense_mlp_spec(m: dict[str, Any]) -> Any:
     mlp = functools.partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=m["col"], linear_fc2=m["row"]))
     return ModuleSpec(
         module=MLPLayer,
-        submodules=TransformerLayerSubmodules(pre_mlp_layernorm=m["norm"], mlp=mlp, mlp_bda=get_bias_dropout_add),
+        submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=m["norm"],
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+            # checkpoint keys as with TE (norm fused into linear_fc1): models.builder.te_keys_map
+            sharded_state_dict_keys_map={} if m["te"] else {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"},
+        ),
     )

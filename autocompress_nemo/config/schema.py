@@ -217,6 +217,10 @@ class DistillConfig:
     log_every: int = 10
     wandb_project: str = ""
     """Log to Weights & Biases when set."""
+    init_from: str = ""
+    """A Megatron-LM distributed checkpoint directory (``latest_checkpointed_iteration.txt``, written
+    by this project's extract / distill stages, at any TP size) whose weights the student starts
+    from instead of the extracted ones; its ``spec.json`` must be the student's architecture."""
 
 
 @dataclass

@@ -158,6 +158,7 @@ def distill(
     micro_batch_size: int | None = None,
     log: Callable[[str], None] | None = None,
     name: str = "distill",
+    init_from: str | Path | None = None,
 ) -> dict[str, Any]:
     """Recover ``student`` from ``teacher`` for ``cfg.tokens`` tokens; resumable from ``out_dir``.
 
@@ -165,7 +166,9 @@ def distill(
     ``weight_decay``, ``grad_clip``, ``adam_beta1/2``, ``adam_eps``). ``optimizer``: ``auto``
     (Megatron's on CUDA for Megatron models, else ``torch.optim.AdamW``), ``torch``,
     ``megatron``. ``micro_batch_size``: split each rank's rows into micro-batches with
-    gradient accumulation (same result, less activation memory).
+    gradient accumulation (same result, less activation memory). ``init_from``: a Megatron-LM
+    distributed checkpoint (``models.dist_checkpoint``, any TP size) whose weights the student
+    starts from; this run's own checkpoint, when there is one, still wins (it is later).
 
     Writes ``<out_dir>/checkpoints``, ``<out_dir>/tensorboard`` and (rank 0)
     ``<out_dir>/distill_summary.json``. Returns: steps, tokens, tokens_this_run,
@@ -192,6 +195,12 @@ def distill(
     for p in teacher.parameters():
         p.requires_grad_(False)
     student.train()
+    if init_from:
+        # before the optimizer: Megatron's keeps its own (fp32 main) copies of the parameters
+        from autocompress_nemo.models.dist_checkpoint import load_checkpoint
+
+        it = load_checkpoint(student, init_from)
+        say(f"{name}: student weights from the Megatron checkpoint {init_from} (iteration {it})")
     opt = build_optimizer(optimizer, student, cfg, steps, par)
     store = CheckpointStore(
         out / "checkpoints",

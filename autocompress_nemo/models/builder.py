@@ -174,6 +174,24 @@ def transformer_config(
 # ---------------------------------------------------------------------------------------------
 # per-layer module specs
 # ---------------------------------------------------------------------------------------------
+def te_keys_map(attention_removed: bool, mlp_removed: bool) -> dict[str, str]:
+    """Checkpoint keys of a local-spec layer renamed to the Transformer Engine spec's.
+
+    With TE the layer norms are fused into the next linear (``TELayerNormColumnParallelLinear``:
+    ``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``); the local spec has them
+    as separate modules (``input_layernorm.weight``, ``pre_mlp_layernorm.weight``). Megatron's own
+    local GPT spec (``get_gpt_layer_local_submodules``) and heterogeneous spec
+    (``_get_sharded_state_dict_keys_map``) map them the same way, so a checkpoint written on CPU
+    loads into a TE-built model and back. Only ``sharded_state_dict`` (dist checkpoints) is
+    renamed; ``state_dict()`` keeps the module names."""
+    out = {}
+    if not attention_removed:
+        out["input_layernorm."] = "self_attention.linear_qkv.layer_norm_"
+    if not mlp_removed:
+        out["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    return out
+
+
 def layer_specs(spec: ArchSpec, config: Any, use_te: bool, vp_stage: int | None = None) -> Any:
     """``TransformerBlockSubmodules`` with one ``TransformerLayer`` spec per layer of this PP stage."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -244,6 +262,7 @@ def layer_specs(spec: ArchSpec, config: Any, use_te: bool, vp_stage: int | None 
                     pre_mlp_layernorm=IdentityOp if mlp.removed else norm,
                     mlp=mlp_spec,
                     mlp_bda=IdentityFuncOp if mlp.removed else get_bias_dropout_add,
+                    sharded_state_dict_keys_map={} if use_te else te_keys_map(att.removed, mlp.removed),
                 ),
             )
         )

@@ -6,7 +6,8 @@ what Megatron assumes and why replacing it is safe. ``apply()`` is idempotent an
 no-op when CUDA is available (on GPU nothing is patched; the real code paths run).
 
 Later adaptations (MoE alltoall dispatcher streams, Mamba scan / norm stand-ins, DDP
-tensor factories) are added to ``PATCHES`` the same way.
+tensor factories, the ``dist_checkpointing`` writer's CUDA synchronize) are added to ``PATCHES``
+the same way.
 
 Besides the patches this module provides ``SequenceParallelTorchNorm``: Megatron's
 local (non Transformer-Engine) norm refuses ``sequence_parallel``; the builder uses this
@@ -350,6 +351,26 @@ def _patch_router_jit() -> None:
     TopKRouter._apply_expert_bias = getattr(f, "_torchdynamo_orig_callable", getattr(f, "__wrapped__", f))
 
 
+# -- 7. dist_checkpointing save (torch_dist) ---------------------------------------------------------
+# Megatron assumes: the checkpoint writer copies GPU tensors to host memory with
+# ``non_blocking=True`` and then waits with ``torch.cuda.synchronize()``
+# (``FileSystemWriterAsync.preload_tensors``); without a driver that call raises. The
+# failure flag broadcast after writing (``state_dict_saver``) is allocated on
+# ``torch.cuda.current_device()``, which patch 1 already answers with the CPU.
+# Safe because: on a machine without CUDA every tensor already lives in host memory, so the
+# copy is synchronous (``non_blocking=False``) and there is nothing to wait for; the original
+# function runs, only its ``synchronize`` is skipped.
+def _patch_dist_ckpt_preload() -> None:
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    original = FileSystemWriterAsync.__dict__["preload_tensors"].__func__
+
+    def preload_tensors(write_buckets, non_blocking=True):  # noqa: ANN001, ANN202, ARG001
+        return original(write_buckets, non_blocking=False)
+
+    FileSystemWriterAsync.preload_tensors = staticmethod(preload_tensors)
+
+
 PATCHES: list[Patch] = [
     Patch("current_device", "torch.cuda.current_device() used as the allocation device", _patch_current_device),
     Patch("rng_tracker", "tensor-parallel RNG tracker keeps CUDA generator states", _patch_rng_tracker),
@@ -359,6 +380,7 @@ PATCHES: list[Patch] = [
     ),
     Patch("latent_moe_linear", "LatentMoE projections are TE TELinear layers", _patch_latent_moe_linear),
     Patch("router_jit", "torch.compile'd MoE router helper (30 s C++ compile on CPU)", _patch_router_jit),
+    Patch("dist_ckpt_preload", "dist_checkpointing save waits with torch.cuda.synchronize()", _patch_dist_ckpt_preload),
 ]
 
 

@@ -1,5 +1,7 @@
 """distill_<method>: recovery distillation of the extracted student from the sorted parent (every
-model family); resumes from its checkpoint (``<run_dir>/distill_<method>.ckpt``)."""
+model family); resumes from its checkpoint (``<run_dir>/distill_<method>.ckpt``), or starts from a
+Megatron-LM distributed checkpoint (``distill.init_from``). Writes the distilled student as weights
+and as a Megatron-LM distributed checkpoint (``DistillDir.megatron``)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,15 @@ def run(ctx: Context, out: Path, rank: RankDir, student: ExtractDir, ckpt_dir: P
     for p in teacher.parameters():
         p.requires_grad_(False)
     model = ctx.model(cspec, csd)
+    init_from = str(getattr(d, "init_from", "") or "") or None
+    if init_from:
+        from autocompress_nemo.models.dist_checkpoint import read_spec
+
+        if read_spec(init_from) != cspec:
+            raise ValueError(
+                f"distill.init_from={init_from}: that checkpoint's spec.json is not this run's extracted student "
+                f"({cspec.name}); start from a checkpoint of the same architecture or unset distill.init_from"
+            )
     seq, bs = int(d.seq_len), int(d.batch_size)
     result = run_distill(
         model,
@@ -33,6 +44,11 @@ def run(ctx: Context, out: Path, rank: RankDir, student: ExtractDir, ckpt_dir: P
         ckpt_dir,
         int(ctx.cfg.seed),
         log=ctx.say,  # resumed / set aside: on the run's output, with the stage lines
+        init_from=init_from,
     )
     save_weights(out, cspec, ctx.to_hf(cspec, model))
+    from autocompress_nemo.models.dist_checkpoint import save_checkpoint
+
+    ckpt = save_checkpoint(model, cspec, DistillDir(out).megatron, iteration=int(result["steps"]))
+    ctx.say(f"[distill] Megatron-LM checkpoint (torch_dist) -> {ckpt}")
     write_json_atomic(DistillDir(out).record, result)

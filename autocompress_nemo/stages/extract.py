@@ -41,6 +41,9 @@ def run(ctx: Context, out: Path, rank: RankDir, search: SearchDir) -> None:
     save_weights(out, child, child_sd)
     write_json_atomic(art.arch, rec)
     ctx.export_hf(child, child_sd, art.hf)
+    from autocompress_nemo.models.dist_checkpoint import save_checkpoint
+
+    save_checkpoint(ctx.model(child, child_sd), child, art.megatron)  # collective: every rank
     ctx.say(
         f"[extract] {describe(child)}: {param_count(child):,} parameters "
         f"({param_count(child) / param_count(spec):.1%} of the parent)"

@@ -89,11 +89,19 @@ class SearchDir:
         return self.dir / "trajectory.png"
 
 
+MEGATRON_CKPT = "megatron"
+
+
 @dataclass(frozen=True)
 class ExtractDir(Weights):
     @property
     def arch(self) -> Path:
         return self.dir / "arch.json"
+
+    @property
+    def megatron(self) -> Path:
+        """The student as a Megatron-LM distributed checkpoint (``models.dist_checkpoint``)."""
+        return self.dir / MEGATRON_CKPT
 
     @property
     def hf(self) -> Path:
@@ -105,6 +113,11 @@ class DistillDir(Weights):
     @property
     def record(self) -> Path:
         return self.dir / "distill.json"
+
+    @property
+    def megatron(self) -> Path:
+        """The distilled student as a Megatron-LM distributed checkpoint (``models.dist_checkpoint``)."""
+        return self.dir / MEGATRON_CKPT
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,11 @@ class NoOpBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor, **_: Any) -> torch.Tensor:
         return hidden_states
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> dict:
+        """Nothing to checkpoint: no parameters, no buffers, no extra state (``HybridStack`` asks
+        every layer for its sharded state dict)."""
+        return {}
+
 
 def _modules(use_te: bool) -> dict[str, Any]:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
