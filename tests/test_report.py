@@ -273,3 +273,35 @@ def test_report_reads_the_pipeline_layout(tmp_path: Path) -> None:
     rep = json.loads(paths["report.json"].read_text())
     assert rep["models"]["autocompress"]["pass"] is True and rep["models"]["parent"]["pass"] is False
     assert rep["models"]["autocompress"]["accuracy"]["perplexity"] == 12.0
+
+
+def test_report_lists_every_output_with_the_command_that_reads_it(tmp_path: Path) -> None:
+    """Issue 18: the student GGUF (llama.cpp), the HF directory (transformers / vLLM / TensorRT-LLM) and
+    the Megatron checkpoint (Megatron-LM / Megatron-Bridge, distill.init_from) each with its command."""
+    from autocompress_nemo.report.outputs import collect_outputs
+
+    run = tmp_path / "runs" / "x"
+    (run / "export_autocompress" / "hf").mkdir(parents=True)
+    (run / "export_autocompress" / "s.gguf").write_bytes(b"GGUF")
+    ck = run / "distill_autocompress" / "megatron"
+    ck.mkdir(parents=True)
+    (ck / "latest_checkpointed_iteration.txt").write_text("64")
+    rows = collect_outputs(run, ["autocompress", "minitron_pp"])
+    by = {r["consumer"]: r for r in rows}
+    assert set(by) == {
+        "llama.cpp",
+        "transformers",
+        "vLLM",
+        "TensorRT-LLM",
+        "Megatron-LM / Megatron-Bridge",
+        "this project",
+    }
+    assert "llama-cli -m" in by["llama.cpp"]["command"] and "vllm serve" in by["vLLM"]["command"]
+    assert "--use-dist-ckpt" in by["Megatron-LM / Megatron-Bridge"]["command"]
+    assert f"distill.init_from={ck}" in by["this project"]["command"]
+    res = _results()
+    res["outputs"] = rows
+    md = write_report(tmp_path / "r", res)["report.md"].read_text()
+    assert "## Outputs and what consumes them" in md and "trtllm-serve" in md
+    md = write_report(tmp_path / "r2", _results())["report.md"].read_text()
+    assert "No student was exported by this run" in md

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.report.outputs import outputs_section
 from autocompress_nemo.report.tables import (
     COST_METRICS,
     DISPLAY,
@@ -393,6 +394,7 @@ def render_markdown(res: dict[str, Any]) -> str:
         ("Quality guard before slicing", _guard(res)),
         ("Cost-model validation", _validation(res)),
         ("Timing against the parent", timing_section(res)),
+        ("Outputs and what consumes them", outputs_section(res)),
         ("Tokens and wall time", _tokens_wall(res)),
     ]
     for title, lines in sections:

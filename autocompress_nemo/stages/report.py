@@ -88,6 +88,9 @@ def collect_results(ctx: Context, run_: Any, methods: list[str], validation: Val
             }
     if validation is not None and validation.validation.is_file():
         res["validation"] = read_json(validation.validation)["summary"]
+    from autocompress_nemo.report.outputs import collect_outputs
+
+    res["outputs"] = collect_outputs(d, methods)
     res["timing"] = _timing(prov, res.get("validation") or {}, res["methods"], ev.get("timing") or {})
     for p in sorted(d.iterdir()):
         m = read_manifest(p) if p.is_dir() else None
