@@ -41,7 +41,7 @@ import numpy as np
 a = np.random.default_rng(0).standard_normal((768, 768)).astype(np.float32)
 s = np.zeros(16 * 2**20, dtype=np.float32)
 while True:
-    a = (a @ a) * 1e-3 + 1.0
+    a = np.tanh(a @ a)  # bounded: no overflow
     s += 1.0
 """
 
