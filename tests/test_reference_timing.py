@@ -37,7 +37,7 @@ class FakeLive:
         return [self.clock.take(self.d) for _ in range(n)]
 
     def close(self) -> None:
-        pass
+        """Nothing to free: a fake model holds no engine memory."""
 
 
 COSTS = [(300.0, 20.0), (150.0, 12.0), (60.0, 5.0)]  # (prefill, decode) ms of three models
