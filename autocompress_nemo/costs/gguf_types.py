@@ -49,18 +49,23 @@ BASE_TYPE: dict[str, str] = {
 }
 """The tensor type a dtype asks for (before the per-tensor rules)."""
 
-_BLOCK: dict[str, tuple[int, int]] = {
+GGML_BLOCK: dict[str, tuple[int, int]] = {
     "f32": (1, 4),
     "f16": (1, 2),
-    "q8_0": (32, 34),
-    "q4_0": (32, 18),
-    "q4_1": (32, 20),
+    "bf16": (1, 2),
+    "q8_0": (32, 34),  # 32 int8 + one f16 scale
+    "q4_0": (32, 18),  # 32 4-bit + one f16 scale
+    "q4_1": (32, 20),  # 32 4-bit + f16 scale + f16 min
     "q5_0": (32, 22),
     "q5_1": (32, 24),
     "q4_k": (256, 144),
     "q5_k": (256, 176),
     "q6_k": (256, 210),
+    "fp8": (1, 1),
+    "int8": (1, 1),
+    "nvfp4": (16, 9),  # 16 FP4 (E2M1) values + one FP8 (E4M3) scale (per-tensor FP32 scale ignored)
 }
+"""(elements per block, bytes per block) of the storage types (GGML's as ggml-common.h defines them)."""
 _FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 MORE_BITS_ROLES = ("attn_v", "ffn_down")
 """The roles Q4_K_M raises to Q6_K on some layers."""
@@ -80,7 +85,7 @@ def is_quantized(dtype: str) -> bool:
 
 def row_block(type_: str) -> int:
     """Elements per block of a GGML storage type: the row length it needs a multiple of."""
-    return _BLOCK[type_][0]
+    return GGML_BLOCK[type_][0]
 
 
 def row_align(dtype: str, role: str = "ffn_down") -> int:
@@ -123,7 +128,7 @@ def tensor_type(dtype: str, role: str, row: int, *, more_bits: bool = False, tie
 
 
 def type_bytes(n_elements: int, type_: str) -> int:
-    n, b = _BLOCK[type_]
+    n, b = GGML_BLOCK[type_]
     return math.ceil(n_elements / n) * b
 
 

@@ -22,6 +22,7 @@ from autocompress_nemo.arch.counts import block_params, kv_bytes_per_token, stat
 from autocompress_nemo.arch.spec import ArchSpec, Block
 from autocompress_nemo.blocks import kind_of
 from autocompress_nemo.costs.gguf_types import (
+    GGML_BLOCK,
     MORE_BITS_SHARE,
     gguf_weight_bytes,
     is_quantized,
@@ -29,24 +30,6 @@ from autocompress_nemo.costs.gguf_types import (
     tensor_type,
     type_bytes,
 )
-
-# (elements per block, bytes per block) of GGML storage types (as ggml-common.h defines them)
-GGML_BLOCK: dict[str, tuple[int, int]] = {
-    "f32": (1, 4),
-    "f16": (1, 2),
-    "bf16": (1, 2),
-    "q8_0": (32, 34),  # 32 int8 + one f16 scale
-    "q4_0": (32, 18),  # 32 4-bit + one f16 scale
-    "q4_1": (32, 20),  # 32 4-bit + f16 scale + f16 min
-    "q5_0": (32, 22),
-    "q5_1": (32, 24),
-    "q4_k": (256, 144),
-    "q5_k": (256, 176),
-    "q6_k": (256, 210),
-    "fp8": (1, 1),
-    "int8": (1, 1),
-    "nvfp4": (16, 9),  # 16 FP4 (E2M1) values + one FP8 (E4M3) scale (per-tensor FP32 scale ignored)
-}
 
 
 def bytes_per_element(dtype: str) -> float:
