@@ -10,6 +10,13 @@ printing decode / prefill / memory mean and max error for both conditions, for t
 model timed as a ratio to the parent in the same rounds) and the old one (the same models' own
 absolute times), side by side. Goal: decode mean error <= 3 % in both conditions with the new method.
 
+A quantized target (``engine.dtype`` q8_0 / q4_1 / q4_0 / q4_k_m, issue 16), e.g.
+``+target=cpu_chat_q4``, is also profiled and validated in F16 in the same run (the same target with
+``target.engine.dtype=f16``), and the two are printed side by side (``by_dtype``), with each table's
+parent decode time and memory: what the quantized deployment buys on this CPU. ``--table PATH`` /
+``--f16-table PATH`` validate existing tables (a run's ``profile/cost_table/cost_table.json``) instead of
+profiling them again; ``--no-f16`` skips the F16 side.
+
 Prints: wall time to build the table, number of engine runs (profiling and validation),
 validation errors (mean absolute % error of decode, prefill, response latency and memory over
 the validation models, none of them used to build the table) and the machine load
@@ -118,23 +125,69 @@ def under_load(argv: list[str]) -> dict:
     return result
 
 
+def _take(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
+    if flag in argv:
+        i = argv.index(flag)
+        if i + 1 >= len(argv):
+            raise SystemExit(f"bench_profile: {flag} needs a path")
+        return argv[i + 1], argv[:i] + argv[i + 2 :]
+    return None, argv
+
+
 def main(argv: list[str]) -> dict:
     if argv and argv[0] == "--load":
         return under_load(argv[1:])
-    overrides = argv or ["+target=cpu_chat"]
+    table, argv = _take(argv, "--table")
+    f16_table, argv = _take(argv, "--f16-table")
+    no_f16 = "--no-f16" in argv
+    overrides = [a for a in argv if a != "--no-f16"] or ["+target=cpu_chat"]
     cfg = compose(overrides)
+    dtype = str(cfg.target.engine.get("dtype", "f16"))
+    if str(cfg.target.engine.name) != "llama_cpp" or dtype in ("f16", "f32") or no_f16:
+        return one_table(cfg, Path(table) if table else None)
+    sides = {
+        dtype: one_table(cfg, Path(table) if table else None),
+        "f16": one_table(compose([*overrides, "target.engine.dtype=f16"]), Path(f16_table) if f16_table else None),
+    }
+    keys = ("decode_mape_pct", "decode_max_ape_pct", "prefill_mape_pct", "prefill_max_ape_pct", "memory_mape_pct")
+    result = {
+        "target": str(cfg.target.name),
+        "by_dtype": {d: {k: r[k] for k in (*keys, "parent", "validation_models", "label")} for d, r in sides.items()},
+        f"parent_{dtype}_vs_f16": {
+            "decode_ms_ratio": sides[dtype]["parent"]["decode_ms"] / sides["f16"]["parent"]["decode_ms"],
+            "prefill_ms_ratio": sides[dtype]["parent"]["prefill_ms"] / sides["f16"]["parent"]["prefill_ms"],
+            "memory_bytes_ratio": sides[dtype]["parent"]["memory_bytes"] / sides["f16"]["parent"]["memory_bytes"],
+            "note": "the parent's times and memory in each table (each profiled on its own, the times in their "
+            "tables' reference units: the parent's 10th-percentile time in that profile)",
+        },
+        "goals_pct": {"decode": 3.0, "prefill": 5.0, "memory": 1.0},
+    }
+    print(json.dumps(result, indent=1))
+    return result
+
+
+def one_table(cfg, table: Path | None = None) -> dict:
+    """Profile ``cfg``'s target (or take ``table``) and validate it on held-out full models."""
+    from autocompress_nemo.costs.predictor import Predictor
+    from autocompress_nemo.profile.stage import load_table, parent_spec
+    from autocompress_nemo.stages.common import numbers
+
     out = Path(tempfile.mkdtemp(prefix="acn-bench-profile-"))
     load_before = loadavg()
     t0 = time.time()
-    table_path = run_profile(cfg, out)
+    table_path = table or run_profile(cfg, out)
     t_table = time.time() - t0
     prov = json.loads(table_path.read_text())["provenance"]
     t1 = time.time()
     summary = run_validate(cfg, table_path, out)
     t_val = time.time() - t1
     errs = summary["errors"]
+    parent = numbers(Predictor(load_table(cfg, table_path), cfg.target).predict(parent_spec(cfg)))
     result = {
         "target": str(cfg.target.name),
+        "dtype": str(cfg.target.engine.get("dtype", "f16")),
+        "table_given": table is not None,
+        "parent": {k: parent[k] for k in ("decode_ms", "prefill_ms", "memory_bytes") if k in parent},
         "engine": prov["engine_version"],
         "threads": prov["threads"],
         "label": summary["label"],

@@ -82,3 +82,44 @@ def test_tiny_pipeline_end_to_end_in_llama_cpp(tmp_path, capsys) -> None:
     res = llm("def main(", max_tokens=6, temperature=0.0)
     assert res["usage"]["completion_tokens"] >= 1
     assert (run / "export_autocompress" / "hf" / "config.json").is_file()
+
+
+def test_quantized_deployment_is_evaluated_after_quantization(tmp_path) -> None:
+    """A Q8_0 deployment: the students are measured after llama.cpp's quantizer, and every model —
+    the parent quantized the same way — gets its held-out perplexity as an F16 GGUF and as a Q8_0
+    GGUF in llama.cpp, lm-eval in Q8_0, and the report's "What quantization costs" table."""
+    from autocompress_nemo.config.entry import compose
+    from autocompress_nemo.search.__main__ import run_pipeline
+
+    cfg = compose(
+        [
+            "model=tiny_llama",
+            "+target=tiny_cpu",
+            "target.engine.dtype=q8_0",
+            "search=quick",
+            f"run_dir={tmp_path}/run",
+            "evaluate.lm_eval_items=8",
+            "evaluate.heldout_batches=1",
+            *BUDGET,
+        ]
+    )
+    run_pipeline(cfg)
+    run = tmp_path / "run"
+    ev = json.loads((run / "evaluate" / "evaluation.json").read_text())
+    for name in ("parent", "autocompress"):
+        m = ev["models"][name]
+        q = m["accuracy_quantization"]
+        assert q["dtype"] == "q8_0", q
+        # the F16 file is the project's model (llama.cpp vs float32 PyTorch), Q8_0 is a small step from it
+        assert abs(q["f16"]["heldout_ppl"] / m["accuracy"]["heldout_ppl"] - 1) < 0.01, (name, q)
+        assert abs(q["ppl_increase"]) < 0.05, (name, q)
+        assert 8.4 < q["q8_0"]["bpw_matrices"] < 8.6, q  # Q8_0: 34 bytes per 32 weights
+        assert "stdlib_next_line" in q["q8_0"]["lm_eval"], q
+    # the student's Q8_0 figure is its exported, quantized file
+    exported = ev["models"]["autocompress"]["accuracy_exported"]
+    assert ev["models"]["autocompress"]["accuracy_quantization"]["q8_0"]["heldout_ppl"] == exported["heldout_ppl"]
+    qrec = json.loads((run / "export_autocompress" / "quantization.json").read_text())
+    assert qrec["dtype"] == "q8_0" and qrec["predicted_exact"], qrec
+    report = (run / "report.md").read_text()
+    section = report.split("## What quantization costs", 1)[1].split("\n## ", 1)[0]
+    assert "perplexity (q8_0 GGUF)" in section and "Parent" in section and "AutoCompress" in section, section

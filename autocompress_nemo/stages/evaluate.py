@@ -167,6 +167,9 @@ def run(
         ctx.say(f"[evaluate] {name}: lm-eval on the exported {files[0].name} in llama.cpp")
         on_file["lm_eval"] = lm_eval_scores(ctx, GgufModel(files[0]), gguf_forward)
         results["models"][name]["accuracy_exported"] = on_file
+    dtype = str(cfg.target.engine.get("dtype", "f16"))
+    if str(cfg.target.engine.name) == "llama_cpp" and _is_quantized(dtype):
+        quantization_costs(ctx, models, exports or {}, results["models"], dtype, out / "quantization_work")
     engine = get_engine(cfg.target, workdir=out / "engine_work")
     wl = Workload.from_config(cfg.target.workload)
     specs = [models[n][0].replace(name=n) for n in models]
@@ -233,6 +236,82 @@ def run(
                 for k, c in r["budget_check"].items()
             )
         )
+
+
+def _is_quantized(dtype: str) -> bool:
+    from autocompress_nemo.costs.gguf_types import check_dtype, is_quantized
+
+    return is_quantized(check_dtype(dtype))
+
+
+def quantization_costs(
+    ctx: Context,
+    models: dict[str, tuple[ArchSpec, dict[str, torch.Tensor]]],
+    exports: dict[str, Path],
+    results: dict[str, Any],
+    dtype: str,
+    work: Path,
+) -> None:
+    """What the deployment's quantization costs on top of pruning, measured in llama.cpp: every
+    model's held-out perplexity as an F16 GGUF and in ``dtype`` (llama.cpp's own quantizer), and
+    lm-eval in ``dtype``. The parent is written and quantized here exactly as a student is on export;
+    a student's ``dtype`` figures are those of its exported file (``accuracy_exported``). Recorded as
+    ``results[name]["accuracy_quantization"]``."""
+    import json
+    import shutil
+
+    import numpy as np
+
+    from autocompress_nemo.export.gguf import write_gguf
+    from autocompress_nemo.export.parity import gguf_heldout
+    from autocompress_nemo.export.quantize import quant_record, quantize_gguf
+
+    ev = ctx.cfg.evaluate
+    batches = ctx.heldout_batches(2, int(ev.seq_len), int(ev.heldout_batches))
+    by = f"llama.cpp (llama-cpp-python {_llama_cpp_version()}) on this CPU, F32 KV cache"
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        for name, (spec, sd) in models.items():
+            r = results.get(name)
+            if r is None or not spec.is_dense_layered():
+                continue
+            f16 = write_gguf(
+                spec,
+                work / f"{name}.f16.gguf",
+                {k: v.float().numpy().astype(np.float32) for k, v in sd.items()},
+                tokenizer_from=ctx.parent_gguf(),
+                dtype="f16",
+            )
+            ctx.say(f"[evaluate] {name}: held-out perplexity of its F16 GGUF in llama.cpp")
+            rec: dict[str, Any] = {"dtype": dtype, "measured_by": by, "f16": gguf_heldout(f16, batches)}
+            on_file = r.get("accuracy_exported")
+            export_dir = exports.get(name)
+            if on_file is not None and export_dir is not None:
+                q = dict(on_file)
+                qj = ExportDir(export_dir).quantization
+                if qj.is_file():
+                    qrec = json.loads(qj.read_text())
+                    q.update(bpw_matrices=qrec["bpw_matrices"], fallbacks=len(qrec["fallbacks"]))
+            else:  # the parent (or a student exported without a GGUF): quantized here like an export
+                path = work / f"{name}.{dtype}.gguf"
+                qrec = quant_record(spec, quantize_gguf(f16, path, dtype), dtype)
+                ctx.say(f"[evaluate] {name}: held-out perplexity and lm-eval of its {dtype} GGUF in llama.cpp")
+                q = gguf_heldout(path, batches)
+                q.update(
+                    file=path.name,
+                    bpw_matrices=qrec["bpw_matrices"],
+                    fallbacks=len(qrec["fallbacks"]),
+                    lm_eval=lm_eval_scores(ctx, GgufModel(path), gguf_forward),
+                )
+            rec[dtype] = q
+            rec["ppl_increase"] = q["heldout_ppl"] / rec["f16"]["heldout_ppl"] - 1.0
+            r["accuracy_quantization"] = rec
+            ctx.say(
+                f"[evaluate] {name}: ppl F16 {rec['f16']['heldout_ppl']:.3f} -> {dtype} {q['heldout_ppl']:.3f} "
+                f"({100 * rec['ppl_increase']:+.2f} %) in llama.cpp"
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _llama_cpp_version() -> str:
