@@ -74,11 +74,27 @@ def _install_log_capture() -> None:
     llama_cpp.llama_log_set(_CALLBACK, ctypes.c_void_p(0))
 
 
-def parse_memory_log(text: str) -> dict[str, float]:
+def repacked_tensors(text: str) -> list[str]:
+    """Names of the tensors llama.cpp's CPU backend repacked on load (``repack: repack tensor X with ...``)."""
+    return re.findall(r"repack tensor (\S+) with", text)
+
+
+def parse_memory_log(text: str, tensor_bytes: dict[str, int] | None = None) -> dict[str, float]:
     """Bytes by part from llama.cpp's log: weights, kv (= k + v), k, v, output, compute.
 
     Sums every ``... model buffer size = X MiB`` (mapped, repacked ...), and likewise for
     compute and output buffers; ``K (type): X MiB, V (type): Y MiB`` gives the KV parts.
+
+    Each weight is counted once. On a CPU with the repacked kernels llama.cpp copies some
+    quantized tensors into a ``CPU_REPACK`` buffer and maps the file span of the others (measured
+    with llama-cpp-python 0.3.36 on this AVX2 CPU, SmolLM2-135M: Q4_0 repacks all 210 block
+    matrices — ``CPU_Mapped`` 85.30 MiB + ``CPU_REPACK`` 56.95 MiB for an 85.77 MiB file; Q4_K_M
+    repacks its 16 Q4_K tensors, 7.59 MiB; Q8_0 and Q4_1 repack nothing). The mapped buffer is
+    the file *span* from the first to the last tensor kept there, repacked tensors in between
+    included, and their mapped pages are read once at load and never again. So when the log names
+    repacked tensors and ``tensor_bytes`` (the file's tensor table) is given, the weights are the
+    table's bytes of the tensors not repacked plus the ``CPU_REPACK`` buffer as logged;
+    ``weights_repacked`` and ``weights_mapped_span`` record the two logged buffers.
     """
 
     def total(pattern: str) -> float:
@@ -90,6 +106,11 @@ def parse_memory_log(text: str) -> dict[str, float]:
         "output": total(r"output buffer size\s*=\s*([0-9.]+) MiB"),
         "compute": total(r"compute buffer size\s*=\s*([0-9.]+) MiB"),
     }
+    repacked = set(repacked_tensors(text))
+    if repacked and tensor_bytes:
+        out["weights_repacked"] = total(r"CPU_REPACK model buffer size\s*=\s*([0-9.]+) MiB")
+        out["weights_mapped_span"] = out["weights"] - out["weights_repacked"]
+        out["weights"] = out["weights_repacked"] + sum(b for n, b in tensor_bytes.items() if n not in repacked)
     k = re.findall(r"K \([a-z0-9_]+\):\s*([0-9.]+) MiB", text)
     v = re.findall(r"V \([a-z0-9_]+\):\s*([0-9.]+) MiB", text)
     if k and v:
@@ -266,7 +287,13 @@ class _LlamaLive:
         if not self.ctx:
             L.llama_model_free(self.model)
             raise RuntimeError(f"llama.cpp failed to create a context for {path}:\n{''.join(_LOG)[-2000:]}")
-        self.memory = parse_memory_log("".join(_LOG))
+        log = "".join(_LOG)
+        sizes = None
+        if repacked_tensors(log):
+            import gguf
+
+            sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
+        self.memory = parse_memory_log(log, sizes)
         self.mem = L.llama_get_memory(self.ctx)
         self.batch = L.llama_batch_init(self.n_batch, 0, wl.batch) if timing else None
         self.rng = np.random.default_rng(0)
