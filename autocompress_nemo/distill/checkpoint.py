@@ -1,6 +1,15 @@
 """Resumable distillation checkpoints, written atomically.
 
-Layout under ``<out_dir>/checkpoints``::
+Megatron students trained by ``optim.TorchAdamW``: a Megatron-LM distributed checkpoint
+(``distill.dist_state``: model, sharded AdamW state, RNG states, step) under
+``<out_dir>/checkpoints``::
+
+    latest_checkpointed_iteration.txt   Megatron-LM's tracker: the newest complete iteration ("50")
+    iter_0000050/                       torch_dist: metadata.json, common.pt, one .distcp per rank
+    latest.json                         {"step": 50, "dir": "iter_0000050", "format": "torch_dist", "tp": 1, ...}
+
+Any other student / optimizer (Megatron's optimizer on GPU, a plain ``torch.nn.Module``):
+``torch.save`` shards::
 
     step_000050/mp_tp00_pp000.pt   model + optimizer (+ scheduler) + RNG states + history, one
                                    file per model-parallel shard, written by DP rank 0 of each
@@ -8,10 +17,11 @@ Layout under ``<out_dir>/checkpoints``::
                                    written by expert-DP rank 0 of each (EP rank e holds its own experts)
     latest.json                    {"step": 50, "dir": "step_000050", "tp": 1, "pp": 1, "ep": 1, "fingerprint": ...}
 
-Every file is written to a temporary name and renamed into place; ``latest.json`` is
-written by rank 0 only after every shard of that step exists (a barrier), so a job killed
-at any moment leaves either the previous complete checkpoint or the new one, never a
-half one. Older step directories are removed after ``latest.json`` moves on.
+Every file is written to a temporary name and renamed into place (the torch_dist directory is
+written whole before anything names it); ``latest.json`` (and the tracker) are written by rank 0
+only after every shard of that step exists (a barrier), so a job killed at any moment leaves
+either the previous complete checkpoint or the new one, never a half one. Older step
+directories are removed after ``latest.json`` moves on.
 
 RNG states saved: Python ``random``, NumPy, torch CPU, CUDA (all devices, when present) and
 Megatron's tensor-parallel RNG tracker (when Megatron's parallel state is up).
@@ -87,11 +97,24 @@ def save_atomic(obj: Any, path: Path) -> None:
 class CheckpointStore:
     """Save / find / load the latest distillation checkpoint of this run."""
 
-    def __init__(self, root: str | os.PathLike[str], par: Parallel, fingerprint: dict[str, Any], keep: int = 2):
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        par: Parallel,
+        fingerprint: dict[str, Any],
+        keep: int = 2,
+        dist: Any = None,
+    ):
+        """``dist``: a ``distill.dist_state.DistState`` (the torch_dist format), else ``torch.save`` shards."""
         self.root = Path(root)
         self.par = par
         self.fingerprint = fingerprint
         self.keep = max(1, keep)
+        self.dist = dist
+
+    @property
+    def format(self) -> str:
+        return "torch_dist" if self.dist is not None else "torch"
 
     @property
     def shard_name(self) -> str:
@@ -107,17 +130,28 @@ class CheckpointStore:
             return None
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Write this rank's shard of step ``step`` and (rank 0) move ``latest.json`` to it."""
-        step_dir = self.root / f"step_{step:06d}"
-        if self.par.writes_checkpoint:
-            save_atomic(state, step_dir / self.shard_name)
+        """Write this rank's shard of step ``step`` and (rank 0) move ``latest.json`` to it.
+        torch_dist: ``state`` needs only ``history`` (model, optimizer and RNG come from ``dist``)."""
+        if self.dist is not None:
+            step_dir = self.root / f"iter_{step:07d}"
+            self.dist.save(step_dir, step, state["history"])
+        else:
+            step_dir = self.root / f"step_{step:06d}"
+            if self.par.writes_checkpoint:
+                save_atomic(state, step_dir / self.shard_name)
         self.par.barrier()
         if self.par.is_rank0:
+            if self.dist is not None:  # Megatron-LM's tracker, once the iteration is whole
+                tracker = self.root / "latest_checkpointed_iteration.txt"
+                tmp = tracker.with_name(f".{tracker.name}.tmp-{os.getpid()}")
+                tmp.write_text(str(step))
+                os.replace(tmp, tracker)
             write_json_atomic(
                 self.root / "latest.json",
                 {
                     "step": step,
                     "dir": step_dir.name,
+                    "format": self.format,
                     "tp": self.par.tp_size,
                     "pp": self.par.pp_size,
                     "ep": self.par.ep_size,
@@ -125,7 +159,10 @@ class CheckpointStore:
                     "fingerprint": self.fingerprint,
                 },
             )
-            old = sorted(d for d in self.root.glob("step_*") if d.is_dir() and d.name != step_dir.name)
+            old = sorted(
+                (d for d in [*self.root.glob("step_*"), *self.root.glob("iter_*")] if d.is_dir() and d != step_dir),
+                key=lambda d: int(d.name.split("_")[1]),
+            )
             for d in old[: max(0, len(old) - (self.keep - 1))]:
                 shutil.rmtree(d, ignore_errors=True)
         self.par.barrier()
@@ -133,6 +170,8 @@ class CheckpointStore:
 
     def load(self, log: Any = print) -> dict[str, Any] | None:
         """This rank's shard of the latest checkpoint, or ``None`` (nothing to resume from).
+        torch_dist: the model, optimizer and RNG states are set in place and ``{"step", "history"}``
+        returned.
 
         A checkpoint of another configuration (different steps, batch, learning rate...) is
         not resumed: the run starts over and says why. A checkpoint of another TP/PP/EP layout
@@ -160,6 +199,14 @@ class CheckpointStore:
                 f"EP={self.par.ep_size}: resume with the same cluster.tp/cluster.pp/cluster.ep, "
                 f"or delete {self.root} to start over"
             )
+        if meta.get("format", "torch") != self.format:
+            log(
+                f"distill: checkpoint {self.root} is in the {meta.get('format', 'torch')} format, this run "
+                f"writes {self.format}; starting from step 0"
+            )
+            return None
+        if self.dist is not None:
+            return self._load_dist(log, self.root / str(meta.get("dir")), rng=meta.get("dp") == self.par.dp_size)
         path = self.root / str(meta.get("dir")) / self.shard_name
         state: dict[str, Any] | None = None
         why = ""
@@ -177,6 +224,19 @@ class CheckpointStore:
             self._set_aside(log, path, why or "a shard of another rank cannot be read")
             return None
         return state
+
+    def _load_dist(self, log: Any, path: Path, rng: bool) -> dict[str, Any] | None:
+        """Read on every rank, then set the states only when every rank could (else set aside)."""
+        state: dict[str, Any] | None = None
+        why = ""
+        try:
+            state = self.dist.read(path, rng=rng)
+        except Exception as e:  # noqa: BLE001 - truncated / corrupted: start over, never crash on it
+            why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+        if not self._all_ranks(state is not None):  # nothing was set unless every tensor was read
+            self._set_aside(log, path, why or "a shard of another rank cannot be read")
+            return None
+        return self.dist.apply(state)
 
     def _all_ranks(self, ok: bool) -> bool:
         import torch.distributed as dist

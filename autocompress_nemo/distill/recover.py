@@ -21,6 +21,10 @@ Resume: checkpoints every ``distill.checkpoint_every`` steps (and at the end) ho
 optimizer, scheduler, step, RNG states and the per-step history; ``distill`` started again
 with the same ``out_dir`` continues from the latest one and reaches the same final weights
 as an uninterrupted run (bitwise on one process: same data, same order of operations).
+Megatron students trained by ``torch.optim.AdamW`` checkpoint as Megatron-LM distributed
+checkpoints (``distill.dist_state``: ``<out_dir>/checkpoints/latest_checkpointed_iteration.txt``,
+``iter_0000050/``, the AdamW state sharded like the parameters); other students and Megatron's
+own optimizer as ``torch.save`` shards (``distill.checkpoint``).
 
 Contract: any ``torch.nn.Module`` pair plus ``forward(model, input_ids_BT) -> logits_BTV``
 (``models.builder.forward_logits`` for Megatron models). Under tensor parallelism the
@@ -39,6 +43,8 @@ from typing import Any
 import torch
 
 from autocompress_nemo.distill.checkpoint import CheckpointStore, rng_state, set_rng_state
+from autocompress_nemo.distill.dist_state import DistState
+from autocompress_nemo.distill.dist_state import supports as dist_supports
 from autocompress_nemo.distill.kd import hidden_state_loss, kd_loss
 from autocompress_nemo.distill.monitor import Monitor
 from autocompress_nemo.distill.optim import Parallel, build_optimizer, opt_field
@@ -207,14 +213,16 @@ def distill(
         par,
         _fingerprint(cfg, steps, seed, opt.name),
         keep=int(opt_field(cfg, "keep_checkpoints", 2)),
+        dist=DistState(student, opt, par) if dist_supports(student, opt) else None,
     )
 
     start, history = 0, []
-    state = store.load(log=say)
+    state = store.load(log=say)  # torch_dist: model, optimizer and RNG already set
     if state is not None:
-        student.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        set_rng_state(state["rng"])
+        if "model" in state:
+            student.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            set_rng_state(state["rng"])
         start, history = int(state["step"]), list(state["history"])
         say(f"{name}: resumed from step {start}/{steps} ({store.root})")
 
@@ -272,12 +280,13 @@ def distill(
             mon.update(row, n_tok)
             done = step + 1
             if done == steps or (every > 0 and done % every == 0):
+                full = store.dist is None  # torch_dist: model, optimizer, RNG from store.dist
                 last_ckpt = store.save(
                     done,
                     {
-                        "model": student.state_dict(),
-                        "optimizer": opt.state_dict(),
-                        "rng": rng_state(),
+                        "model": student.state_dict() if full else None,
+                        "optimizer": opt.state_dict() if full else None,
+                        "rng": rng_state() if full else None,
                         "step": done,
                         "history": history,
                     },
