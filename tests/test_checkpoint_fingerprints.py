@@ -132,11 +132,11 @@ def test_a_truncated_router_checkpoint_is_reported_and_set_aside(run_dir, capsys
 @pytest.mark.slow
 def test_a_truncated_distill_checkpoint_is_reported_and_set_aside(run_dir, capsys) -> None:
     root = run_dir / f"{DISTILL}.ckpt" / "checkpoints"
-    (shard,) = (root / "step_000004").glob("*.pt")
+    (shard,) = (root / "iter_0000004").glob("*.distcp")  # the Megatron-LM distributed checkpoint's data
     shard.write_bytes(shard.read_bytes()[:300])
     shutil.rmtree(run_dir / DISTILL)
     out = _pipeline(run_dir, capsys)
-    assert f"distill: checkpoint {shard} cannot be read" in out, out
+    assert f"distill: checkpoint {root / 'iter_0000004'} cannot be read" in out, out
     assert f"set aside as {root}.corrupt; starting from step 0" in out
     assert "distill: resumed" not in out
     assert (run_dir / DISTILL / "manifest.json").is_file()
@@ -219,14 +219,15 @@ def test_a_corrupt_shard_on_one_rank_restarts_every_rank(tmp_path) -> None:
     out = tmp_path / "distill"
     first = spawn(_tp2_distill, 2, str(out))
     assert [o["start"] for o in first] == [0, 0]
-    shard = out / "checkpoints" / "step_000004" / "mp_tp01_pp000.pt"
-    shard.write_bytes(shard.read_bytes()[:100])  # rank 1's shard only
+    ckpt = out / "checkpoints" / "iter_0000004"  # a Megatron-LM distributed checkpoint
+    shard = ckpt / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])  # rank 1's file only
     again = spawn(_tp2_distill, 2, str(out))
     assert [o["start"] for o in again] == [0, 0]  # both start over (a resume on one rank would diverge)
     said = "\n".join(again[1]["said"])
-    assert f"distill: checkpoint {shard} cannot be read" in said, said
+    assert f"distill: checkpoint {ckpt} cannot be read" in said, said
     assert f"set aside as {out / 'checkpoints'}.corrupt" in said
-    assert (out / "checkpoints.corrupt" / "step_000004" / "mp_tp01_pp000.pt").is_file()
+    assert (out / "checkpoints.corrupt" / "iter_0000004" / "__1_0.distcp").is_file()
 
 
 @pytest.mark.slow

@@ -222,10 +222,11 @@ def test_parallel_distill_matches_one_process(megatron_tp1, tmp_path: Path, tp: 
         assert o["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
         for k, v in ref["weights"].items():
             assert torch.allclose(o["weights"][k], v, atol=1e-5), k
-    # rank-0-only I/O: one TensorBoard event file, one shard per model-parallel rank
+    # rank-0-only I/O: one TensorBoard event file; the checkpoint is one Megatron-LM distributed
+    # checkpoint in rank 0's directory (each rank writes its shards: TP parts, its RNG states)
     assert len(list((tmp_path / "par" / "tensorboard").glob("events.out.tfevents.*"))) == 1
-    shards = sorted(p.name for p in (tmp_path / "par" / "checkpoints" / "step_000004").iterdir())
-    assert shards == (["mp_tp00_pp000.pt"] if tp == 1 else ["mp_tp00_pp000.pt", "mp_tp01_pp000.pt"])
+    shards = sorted(p.name for p in (tmp_path / "par" / "checkpoints" / "iter_0000004").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]
 
 
 @pytest.mark.gpu

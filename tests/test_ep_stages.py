@@ -29,7 +29,6 @@ two ranks' routers bitwise equal. Run with ``-s`` to see the measured difference
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -224,7 +223,9 @@ def _stages(rank: int, world: int, out_dir: str) -> dict:
     with pytest.raises(Killed):  # distillation is killed at step 3
         distill("distill_b", kill_at=3)
     res["distill_resumed"] = distill("distill_b")
-    res["shards"] = sorted(os.listdir(Path(out_dir) / "run" / "distill_b.ckpt" / "checkpoints" / "step_000006"))
+    ckpt = Path(out_dir) / "run" / "distill_b.ckpt" / "checkpoints"
+    res["shards"] = sorted(p.name for p in (ckpt / "iter_0000006").glob("*.distcp"))  # a Megatron-LM dist checkpoint
+    res["tracker"] = (ckpt / "latest_checkpointed_iteration.txt").read_text()
     return res
 
 
@@ -298,7 +299,7 @@ def test_ep2_distill_equals_ep1_and_resumes(runs) -> None:
         f"EP=1 distill: loss {d['loss'][0]:.4f} -> {d['loss'][-1]:.4f}, gradient norms {d['grad_norm']} "
         "(clipped above 1.0)"
     )
-    assert ref["distill_resumed"]["resumed_from"] == 2 and ref["shards"] == ["mp_tp00_pp000.pt"]
+    assert ref["distill_resumed"]["resumed_from"] == 2 and ref["shards"] == ["__0_0.distcp"] and ref["tracker"] == "6"
     for out in [ref, *two]:  # the distilled student's Megatron-LM checkpoint holds the stage's weights
         it, megatron_weights = out["distill"]["megatron"]
         assert it == len(d["loss"]) and _worst(megatron_weights, out["distill"]["weights"]) == 0.0
@@ -320,7 +321,7 @@ def test_ep2_distill_equals_ep1_and_resumes(runs) -> None:
         dres = _worst(res["weights"], o["weights"])
         print(f"rank {r}: EP=2 kill at step 3 + resume vs uninterrupted max |dweight| = {dres:.2e}")
         assert dres < 1e-6
-    assert two[0]["shards"] == two[1]["shards"] == ["mp_tp00_ep00_pp000.pt", "mp_tp00_ep01_pp000.pt"]
+    assert two[0]["shards"] == two[1]["shards"] == ["__0_0.distcp", "__1_0.distcp"]  # each EP rank its experts
 
 
 def test_search_space_under_ep_keeps_multiples_of_ep_experts() -> None:

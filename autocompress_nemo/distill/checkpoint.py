@@ -5,7 +5,7 @@ Megatron students trained by ``optim.TorchAdamW``: a Megatron-LM distributed che
 ``<out_dir>/checkpoints``::
 
     latest_checkpointed_iteration.txt   Megatron-LM's tracker: the newest complete iteration ("50")
-    iter_0000050/                       torch_dist: metadata.json, common.pt, one .distcp per rank
+    iter_0000050/                       torch_dist: metadata.json, .metadata, __<rank>_0.distcp
     latest.json                         {"step": 50, "dir": "iter_0000050", "format": "torch_dist", "tp": 1, ...}
 
 Any other student / optimizer (Megatron's optimizer on GPU, a plain ``torch.nn.Module``):

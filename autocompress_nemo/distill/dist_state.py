@@ -3,7 +3,7 @@
 Under ``<out_dir>/checkpoints`` (``CheckpointStore``), Megatron-LM's layout::
 
     latest_checkpointed_iteration.txt   the iteration of the newest complete checkpoint ("4")
-    iter_0000004/                       metadata.json, common.pt, __<rank>_0.distcp: every rank's shards
+    iter_0000004/                       metadata.json, .metadata (+ common state), __<rank>_0.distcp
     latest.json                         this project's record: step, dir, layout, config fingerprint
 
 One ``dist_checkpointing.save`` of::
@@ -173,7 +173,14 @@ class DistState:
         request = self.sharded_state_dict(fresh=True)
         if not rng:
             del request["rng_state"]
-        return dist_checkpointing.load(request, str(ckpt), strict=StrictHandling.RAISE_UNEXPECTED)
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            return dist_checkpointing.load(request, str(ckpt), strict=StrictHandling.RAISE_UNEXPECTED)
+        except CheckpointException as e:  # a BaseException: named as the Exception it wraps
+            failed = {r: f[0] if isinstance(f, tuple) else f for r, f in e.failures.items()}
+            said = "; ".join(f"rank {r}: {type(x).__name__} {str(x)[:80]}".rstrip() for r, x in sorted(failed.items()))
+            raise OSError(f"torch_dist read failed ({said})") from None
 
     def apply(self, got: dict[str, Any]) -> dict[str, Any]:
         """Set the model's weights, AdamW's state and (when read) this rank's RNG states from ``read``'s
