@@ -156,3 +156,24 @@ def test_two_gloo_ranks_resume_from_the_dist_checkpoint(megatron_tp1, tmp_path: 
     ckpt = tmp_path / "b" / "checkpoints"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(STEPS)
     assert sorted(p.name for p in (ckpt / "iter_0000006").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+def _resume_at_dp2(rank: int, world: int, root: str) -> dict:
+    from autocompress_nemo.distributed import init_distributed
+
+    init_distributed(tp=1, seed=0)
+    res, _ = _run(Path(root) / "b", student_seed=99)
+    return {"from": res["resumed_from_step"], "losses": _losses(res)}
+
+
+@pytest.mark.distributed
+def test_a_one_process_checkpoint_resumes_at_dp2(megatron_tp1, tmp_path: Path) -> None:
+    """Model and AdamW state are replicated over DP: a checkpoint of one process resumes on two DP
+    ranks (each rank's RNG states are not in it: left as they are)."""
+    from autocompress_nemo.distributed.spawn import spawn
+
+    ref, _ = _run(tmp_path / "a")
+    _killed(tmp_path / "b")
+    for o in spawn(_resume_at_dp2, 2, str(tmp_path)):
+        assert o["from"] == 2
+        assert o["losses"] == pytest.approx(_losses(ref), rel=1e-5, abs=1e-6)  # DP=2 sums in another order
