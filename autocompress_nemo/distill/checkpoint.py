@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from autocompress_nemo.distill.optim import Parallel
-from autocompress_nemo.utils.artifacts import set_aside, write_json_atomic
+from autocompress_nemo.utils.artifacts import set_aside, write_json_atomic, write_text_atomic
 
 
 def rng_state() -> dict[str, Any]:
@@ -133,7 +133,9 @@ class CheckpointStore:
         """Write this rank's shard of step ``step`` and (rank 0) move ``latest.json`` to it.
         torch_dist: ``state`` needs only ``history`` (model, optimizer and RNG come from ``dist``)."""
         if self.dist is not None:
-            step_dir = self.root / f"iter_{step:07d}"
+            from autocompress_nemo.models.dist_checkpoint import iteration_dir
+
+            step_dir = self.root / iteration_dir(step)
             self.dist.save(step_dir, step, state["history"])
         else:
             step_dir = self.root / f"step_{step:06d}"
@@ -142,10 +144,9 @@ class CheckpointStore:
         self.par.barrier()
         if self.par.is_rank0:
             if self.dist is not None:  # Megatron-LM's tracker, once the iteration is whole
-                tracker = self.root / "latest_checkpointed_iteration.txt"
-                tmp = tracker.with_name(f".{tracker.name}.tmp-{os.getpid()}")
-                tmp.write_text(str(step))
-                os.replace(tmp, tracker)
+                from autocompress_nemo.models.dist_checkpoint import TRACKER
+
+                write_text_atomic(self.root / TRACKER, str(step))
             write_json_atomic(
                 self.root / "latest.json",
                 {

@@ -40,27 +40,21 @@ import torch
 
 from autocompress_nemo.distill.checkpoint import rng_state, set_rng_state
 from autocompress_nemo.distill.optim import Parallel, TorchAdamW
+from autocompress_nemo.models.dist_checkpoint import CHECKPOINT_VERSION, unwrap
 
 FORMAT = "torch_dist"
-CHECKPOINT_VERSION = 3.0
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
 
 
 def supports(student: torch.nn.Module, opt: Any) -> bool:
     """A Megatron model (``sharded_state_dict``) trained by ``TorchAdamW``."""
-    return callable(getattr(_unwrap(student), "sharded_state_dict", None)) and isinstance(opt, TorchAdamW)
+    return callable(getattr(unwrap(student), "sharded_state_dict", None)) and isinstance(opt, TorchAdamW)
 
 
 class DistState:
     """Save / load model + optimizer + RNG + step of a distillation as one torch_dist checkpoint."""
 
     def __init__(self, student: torch.nn.Module, opt: TorchAdamW, par: Parallel) -> None:
-        self.model = _unwrap(student)
+        self.model = unwrap(student)
         self.opt = opt
         self.par = par
 

@@ -48,6 +48,7 @@ from autocompress_nemo.distill.dist_state import supports as dist_supports
 from autocompress_nemo.distill.kd import hidden_state_loss, kd_loss
 from autocompress_nemo.distill.monitor import Monitor
 from autocompress_nemo.distill.optim import Parallel, build_optimizer, opt_field
+from autocompress_nemo.models.dist_checkpoint import unwrap
 from autocompress_nemo.utils.artifacts import write_json_atomic
 
 Forward = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
@@ -65,15 +66,9 @@ def num_steps(cfg: Any) -> int:
 # ---------------------------------------------------------------------------------------------
 # intermediate (hidden-state) capture
 # ---------------------------------------------------------------------------------------------
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
-
-
 def find_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's sequence of layers: Megatron ``decoder.layers``, HF ``model.layers``, ``layers``."""
-    m = _unwrap(model)
+    m = unwrap(model)
     for path in ("decoder.layers", "model.layers", "layers", "transformer.h"):
         obj: Any = m
         for part in path.split("."):

@@ -64,7 +64,8 @@ def rank0_dir(path: str | Path) -> Path:
     return Path(obj[0])
 
 
-def _unwrap(model: Any) -> Any:
+def unwrap(model: Any) -> Any:
+    """The model inside DDP / Float16Module wrappers (``.module`` chains)."""
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
         model = model.module
     return model
@@ -81,7 +82,7 @@ def save_checkpoint(model: Any, spec: ArchSpec, out_dir: str | Path, iteration: 
     if _rank0():
         ckpt.mkdir(parents=True, exist_ok=True)
     _barrier()
-    m = _unwrap(model)
+    m = unwrap(model)
     state = {
         "model": m.sharded_state_dict(),
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -145,7 +146,7 @@ def load_checkpoint(model: Any, ckpt_dir: str | Path) -> int:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    m = _unwrap(model)
+    m = unwrap(model)
     path = checkpoint_path(rank0_dir(ckpt_dir))
     state = dist_checkpointing.load(
         {"model": m.sharded_state_dict(), "iteration": 0}, str(path), strict=StrictHandling.RAISE_ALL
@@ -159,7 +160,7 @@ def sharded_keys(model: Any) -> list[str]:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedBase
 
-    return sorted({v.key for v in nested_values(_unwrap(model).sharded_state_dict()) if isinstance(v, ShardedBase)})
+    return sorted({v.key for v in nested_values(unwrap(model).sharded_state_dict()) if isinstance(v, ShardedBase)})
 
 
 def megatron_args(spec: ArchSpec, model: Any) -> dict[str, Any]:
