@@ -66,6 +66,37 @@ def _specs(model: str) -> tuple[Any, Any]:
     return parent, parent.replace(blocks=tuple(blocks), name=f"{parent.name or model}_student")
 
 
+def _matmul_flops_per_token(spec: Any, seq: int) -> float:
+    """Multiply-adds per token of one forward, as FLOP/2: every weight matrix once (the LM head
+    included, the embedding lookup not) plus the attention scores and values over ``seq``
+    positions (the full square, as the unfused CPU attention computes it)."""
+    from autocompress_nemo.arch.counts import embedding_params, param_count
+
+    weights = param_count(spec) - embedding_params(spec) + spec.vocab * spec.hidden
+    attn = sum(2 * seq * b.num_heads * b.head_dim for b in spec.blocks if getattr(b, "num_heads", 0))
+    return float(weights + attn)
+
+
+def _matmul_rate(spec: Any, rows: int) -> dict[str, float]:
+    """This machine's float32 matmul FLOP/s on the model's own shapes (best of 10 each):
+    ``[rows, h] x [h, ffn]`` and the LM head ``[rows, h] x [h, V]``."""
+    a, m = spec.layers()[0]
+    rates = {}
+    for name, (k, n) in {"ffn": (spec.hidden, m.ffn), "lm_head": (spec.hidden, spec.vocab)}.items():
+        x, w = torch.randn(rows, k), torch.randn(k, n)
+        for _ in range(3):
+            x @ w
+        best = min(_timed(lambda x=x, w=w: x @ w) for _ in range(10))
+        rates[name] = 2 * rows * k * n / best
+    return rates
+
+
+def _timed(fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def _peak_bytes() -> int:
     if torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated())
@@ -102,7 +133,16 @@ def _phase(a: argparse.Namespace) -> dict[str, Any]:
             opt.step()
             times.append(time.perf_counter() - t)
         out.update(params=param_count(parent_spec), arch=parent_spec.name)
+    elif a.phase == "matmul":
+        times = []
+        out.update(matmul=_matmul_rate(parent_spec, a.batch * a.seq))
     else:
+        variant = a.phase.split(":", 1)[1]
+        if variant == "reference_loss":  # "before": the textbook KD loss through autograd
+            import autocompress_nemo.distill.recover as recover_mod
+            from autocompress_nemo.distill.kd import kd_loss_reference
+
+            recover_mod.kd_loss = kd_loss_reference
         student = build_model(student_spec, init_seed=1)
         cfg = DistillConfig(
             tokens=total * a.batch * a.seq,
@@ -113,6 +153,7 @@ def _phase(a: argparse.Namespace) -> dict[str, Any]:
             warmup_steps=1,
             checkpoint_every=0,
             log_every=1000,
+            teacher_precision="bf16" if variant == "fused_bf16_teacher" else "fp32",
         )
         with tempfile.TemporaryDirectory(prefix="bench-distill-") as d:
             res = distill(
@@ -132,7 +173,12 @@ def _phase(a: argparse.Namespace) -> dict[str, Any]:
             arch=student_spec.name,
             teacher_params=param_count(parent_spec),
             optimizer=res["optimizer"],
+            flops_per_token=6 * _matmul_flops_per_token(student_spec, a.seq)
+            + 2 * _matmul_flops_per_token(parent_spec, a.seq),
         )
+    if not times:
+        teardown()
+        return out
     timed = times[a.warmup :]
     step_s = min(timed)
     out.update(
@@ -148,6 +194,19 @@ def _phase(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+PHASES = ("matmul", "parent_train", "distill:reference_loss", "distill:fused", "distill:fused_bf16_teacher")
+
+
+def _run_phase(a: argparse.Namespace, phase: str) -> dict[str, Any]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--phase", phase]
+    for k in ("model", "steps", "warmup", "batch", "seq", "threads"):
+        cmd += [f"--{k}", str(getattr(a, k))]
+    p = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if p.returncode:
+        raise SystemExit(f"bench phase {phase} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small")
@@ -157,44 +216,31 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="subprocess rounds per phase, alternating")
-    ap.add_argument("--phase", choices=["parent_train", "student_distill"], help=argparse.SUPPRESS)
+    ap.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.phase:
         print(json.dumps(_phase(a)))
         return
-    runs: dict[str, list[dict[str, Any]]] = {"parent_train": [], "student_distill": []}
-    for _ in range(a.rounds):  # alternate the phases so bursts of load on a shared machine hit both
-        for phase in runs:
-            cmd = [
-                sys.executable,
-                os.path.abspath(__file__),
-                "--phase",
-                phase,
-                "--model",
-                a.model,
-                "--steps",
-                str(a.steps),
-                "--warmup",
-                str(a.warmup),
-                "--batch",
-                str(a.batch),
-                "--seq",
-                str(a.seq),
-                "--threads",
-                str(a.threads),
-            ]
-            p = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if p.returncode:
-                raise SystemExit(f"bench phase {phase} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
-            runs[phase].append(json.loads(p.stdout.strip().splitlines()[-1]))
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in PHASES}
+    for _ in range(a.rounds):  # alternate the phases so bursts of load on a shared machine hit all
+        for phase in PHASES:
+            runs[phase].append(_run_phase(a, phase))
+    rate = {k: max(r["matmul"][k] for r in runs["matmul"]) for k in runs["matmul"][0]["matmul"]}
+    flops_per_s = max(rate.values())
     phases = {}
     for phase, rs in runs.items():
+        if phase == "matmul":
+            continue
         best = dict(min(rs, key=lambda r: r["step_s_min"]))
         best.pop("step_s_all")
         best["step_s_min_per_round"] = [r["step_s_min"] for r in rs]
         best["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in rs)
+        if "flops_per_token" in best:
+            best["flop_bound_tokens_per_s"] = flops_per_s / best["flops_per_token"]
+            best["fraction_of_flop_bound"] = best["tokens_per_s"] / best["flop_bound_tokens_per_s"]
         phases[phase] = best
-    tr, di = phases["parent_train"], phases["student_distill"]
+    tr = phases["parent_train"]
+    before, after, bf16 = (phases[f"distill:{v}"] for v in ("reference_loss", "fused", "fused_bf16_teacher"))
     print(
         json.dumps(
             {
@@ -208,10 +254,18 @@ def main() -> None:
                 "timed_steps": a.steps,
                 "warmup_steps": a.warmup,
                 "rounds": a.rounds,
+                "matmul_flops_per_s_float32": rate,
+                "flop_bound": "6 x student + 2 x teacher multiply-add FLOPs per token (weights incl. LM head, "
+                "attention scores/values) at the best float32 matmul rate measured above",
                 "parent_train": tr,
-                "student_distill": di,
-                "distill_over_train_tokens_per_s": di["tokens_per_s"] / tr["tokens_per_s"],
-                "distill_over_train_peak_memory": di["peak_memory_bytes"] / tr["peak_memory_bytes"],
+                "distill_before_reference_loss": before,
+                "distill_after_fused_loss": after,
+                "distill_after_fused_loss_bf16_teacher": bf16,
+                "after_over_before_tokens_per_s": after["tokens_per_s"] / before["tokens_per_s"],
+                "bf16_teacher_over_before_tokens_per_s": bf16["tokens_per_s"] / before["tokens_per_s"],
+                "after_over_before_peak_memory": after["peak_memory_bytes"] / before["peak_memory_bytes"],
+                "distill_over_train_tokens_per_s": after["tokens_per_s"] / tr["tokens_per_s"],
+                "goal_fraction_of_flop_bound_0.5_met": after["fraction_of_flop_bound"] >= 0.5,
             },
             indent=1,
         )

@@ -213,6 +213,9 @@ class DistillConfig:
     temperature: float = 1.0
     intermediate_weight: float = 0.0
     """Weight of the optional hidden-state loss (0 = logits only)."""
+    teacher_precision: str = "fp32"
+    """``fp32`` or ``bf16``: the frozen teacher's forward under ``torch.autocast`` to bfloat16
+    (its logits are a bf16 approximation; the student trains in float32 either way)."""
     checkpoint_every: int = 50
     log_every: int = 10
     wandb_project: str = ""

@@ -6,21 +6,78 @@ Legend: B batch, T tokens, V vocab.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from autocompress_nemo.distill.optim import Parallel, reduce_gradients
 
+KD_CHUNK_TOKENS = 64
+"""Tokens per chunk of the fused KD loss (a chunk's softmaxes are ``chunk x V`` floats)."""
+
+
+class _FusedKD(torch.autograd.Function):
+    """Forward KL on softened logits with its gradient computed in the same pass, in token chunks.
+
+    ``d/dz_s [T^2/N sum_t KL(p_t || q_t)] = (T/N) (q - p)``, so the forward keeps only that
+    gradient (one ``[N, V]`` tensor in the student logits' dtype) instead of autograd's
+    ``log_softmax`` / ``exp`` / product intermediates over the whole batch, and the backward is a
+    scale. Same value and gradient as the textbook form (``kd_loss_reference``) to float rounding.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, s_NV: torch.Tensor, t_NV: torch.Tensor, temperature: float, chunk: int) -> torch.Tensor:
+        n = s_NV.shape[0]
+        want_grad = bool(ctx.needs_input_grad[0])
+        grad_NV = torch.empty_like(s_NV) if want_grad else None
+        total = torch.zeros((), dtype=torch.float64, device=s_NV.device)
+        for i in range(0, n, chunk):
+            log_q = F.log_softmax(s_NV[i : i + chunk].float() / temperature, dim=-1)
+            log_p = F.log_softmax(t_NV[i : i + chunk].float() / temperature, dim=-1)
+            p = log_p.exp()
+            total += (p * (log_p - log_q)).sum(dtype=torch.float64)
+            if grad_NV is not None:
+                grad_NV[i : i + chunk] = log_q.exp_().sub_(p).mul_(temperature / n)
+        ctx.save_for_backward(grad_NV if grad_NV is not None else s_NV.new_empty(0))
+        return (total * (temperature * temperature / n)).to(torch.float32)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        (grad_NV,) = ctx.saved_tensors
+        return grad_NV * g.to(grad_NV.dtype), None, None, None
+
 
 def kd_loss(
-    student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Tensor, temperature: float = 1.0
+    student_logits_BTV: torch.Tensor,
+    teacher_logits_BTV: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = KD_CHUNK_TOKENS,
 ) -> torch.Tensor:
     """Forward KL(teacher || student) on softened logits, mean over tokens, scaled by T^2.
 
     ``T^2 * mean_t sum_v p_t(v) * (log p_t(v) - log q_t(v))`` with ``p = softmax(z_teacher/T)``,
-    ``q = softmax(z_student/T)``.
+    ``q = softmax(z_student/T)``. Computed by ``_FusedKD`` in chunks of ``chunk_tokens`` tokens
+    (value and gradient equal ``kd_loss_reference``'s; tests/test_distill.py), float32 result.
     """
+    if student_logits_BTV.shape != teacher_logits_BTV.shape:
+        raise ValueError(
+            f"kd_loss: student logits {tuple(student_logits_BTV.shape)} vs teacher {tuple(teacher_logits_BTV.shape)}; "
+            "the two models must share the vocabulary and see the same tokens"
+        )
+    v = student_logits_BTV.shape[-1]
+    return _FusedKD.apply(
+        student_logits_BTV.reshape(-1, v),
+        teacher_logits_BTV.detach().reshape(-1, v),
+        float(temperature),
+        max(1, int(chunk_tokens)),
+    )
+
+
+def kd_loss_reference(
+    student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """The textbook form of ``kd_loss`` through autograd (the reference its tests compare with)."""
     t = temperature
     log_q = F.log_softmax(student_logits_BTV.float() / t, dim=-1)
     log_p = F.log_softmax(teacher_logits_BTV.float() / t, dim=-1)

@@ -33,6 +33,7 @@ forward must return full-vocabulary logits on every TP rank (``forward_logits`` 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -119,11 +120,30 @@ def matched_layers(n_student: int, n_teacher: int) -> list[int]:
     return [max(0, round((i + 1) * n_teacher / n_student) - 1) for i in range(n_student)]
 
 
+def teacher_precision(name: str, teacher: torch.nn.Module) -> Callable[[], Any]:
+    """A context factory for the teacher's forward: ``fp32`` as is, ``bf16`` under ``torch.autocast``."""
+    if name == "fp32":
+        return contextlib.nullcontext
+    if name == "bf16":
+        device = next(teacher.parameters()).device.type
+        return lambda: torch.autocast(device_type=device, dtype=torch.bfloat16)
+    raise ValueError(f"distill.teacher_precision={name!r}: use 'fp32' or 'bf16'")
+
+
 # ---------------------------------------------------------------------------------------------
 # the run
 # ---------------------------------------------------------------------------------------------
 def _fingerprint(cfg: Any, steps: int, seed: int, opt_name: str) -> dict[str, Any]:
-    keys = ("lr", "min_lr", "warmup_steps", "batch_size", "seq_len", "temperature", "intermediate_weight")
+    keys = (
+        "lr",
+        "min_lr",
+        "warmup_steps",
+        "batch_size",
+        "seq_len",
+        "temperature",
+        "intermediate_weight",
+        "teacher_precision",
+    )
     fp = {k: opt_field(cfg, k, None) for k in keys}
     fp.update(steps=steps, seed=seed, optimizer=opt_name)
     return {k: (float(v) if isinstance(v, float) else v) for k, v in fp.items()}
@@ -190,6 +210,7 @@ def distill(
     steps = num_steps(cfg)
     temperature = float(opt_field(cfg, "temperature", 1.0))
     w_hidden = float(opt_field(cfg, "intermediate_weight", 0.0))
+    teacher_ctx = teacher_precision(str(opt_field(cfg, "teacher_precision", "fp32")), teacher)
 
     torch.manual_seed(seed)
     teacher.eval()
@@ -243,7 +264,7 @@ def distill(
             for i in range(0, rows_BT.shape[0], mb):
                 x = rows_BT[i : i + mb]
                 frac = x.shape[0] / rows_BT.shape[0]
-                with torch.no_grad():
+                with torch.no_grad(), teacher_ctx():
                     t_logits_BTV = forward(teacher, x)
                 s_logits_BTV = forward(student, x)
                 kd = kd_loss(s_logits_BTV, t_logits_BTV, temperature)

@@ -5,7 +5,11 @@ and as a Megatron-LM distributed checkpoint (``DistillDir.megatron``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from autocompress_nemo.context import Context, load_weights, save_weights
 from autocompress_nemo.stages.declare import DATA, LAYOUT, PARENT, Stage, reads
@@ -13,6 +17,13 @@ from autocompress_nemo.stages.layout import DistillDir, ExtractDir, RankDir
 from autocompress_nemo.utils.artifacts import write_json_atomic
 
 STAGE = Stage("distill", reads=reads(PARENT, LAYOUT, DATA, "distill"), needs=("rank", "extract"), per_method=True)
+
+
+def train_batches(ctx: Context, d: Any) -> Callable[[int], torch.Tensor]:
+    """The recovery's global batch at each step (``d``: the distill config): the same for every
+    student of a run, so AutoCompress and Minitron++ (and ``bench/bench_quality.py``) see one text."""
+    seq, bs = int(d.seq_len), int(d.batch_size)
+    return lambda step: ctx.batch_at("train", step, bs, seq, seed_offset=29)
 
 
 def run(ctx: Context, out: Path, rank: RankDir, student: ExtractDir, ckpt_dir: Path) -> None:
@@ -34,12 +45,11 @@ def run(ctx: Context, out: Path, rank: RankDir, student: ExtractDir, ckpt_dir: P
                 f"distill.init_from={init_from}: that checkpoint's spec.json is not this run's extracted student "
                 f"({cspec.name}); start from a checkpoint of the same architecture or unset distill.init_from"
             )
-    seq, bs = int(d.seq_len), int(d.batch_size)
     result = run_distill(
         model,
         teacher,
         ctx.forward,
-        lambda step: ctx.batch_at("train", step, bs, seq, seed_offset=29),
+        train_batches(ctx, d),
         d,
         ckpt_dir,
         int(ctx.cfg.seed),
