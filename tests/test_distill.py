@@ -132,14 +132,27 @@ def test_matched_layers_and_clear_errors(megatron_tp1, tmp_path: Path) -> None:
     teacher = build_model(tiny_uniform_spec(), init_seed=0, impl="local")
     narrow = ArchSpec.llama(hidden=32, vocab=128, layers=2, heads=2, kv_groups=1, ffn=64, head_dim=16)
     student = build_model(narrow, init_seed=0, impl="local")
+    # a pruned hidden size: the intermediate loss compares with the teacher's leading channels
+    res = distill(
+        student,
+        teacher,
+        forward_logits,
+        batch_fn(128, 4, 16),
+        _cfg(2, intermediate_weight=1.0),
+        tmp_path / "h",
+        seed=0,
+        optimizer="torch",
+    )
+    assert all(r["hidden"] > 0 for r in res["history"])
+    wide = build_model(narrow.replace(hidden=2 * tiny_uniform_spec().hidden), init_seed=0, impl="local")
     with pytest.raises(ValueError, match="intermediate_weight=0"):
         distill(
-            student,
+            wide,
             teacher,
             forward_logits,
             batch_fn(128, 4, 16),
             _cfg(2, intermediate_weight=1.0),
-            tmp_path / "h",
+            tmp_path / "w",
             seed=0,
             optimizer="torch",
         )
@@ -283,3 +296,17 @@ def test_fused_kd_loss_equals_the_reference(temperature: float, chunk: int) -> N
         assert abs(float(kd_loss(s, t, temperature)) - float(ref)) <= 1e-6 * abs(float(ref))
     with pytest.raises(ValueError, match="share the vocabulary"):
         kd_loss(s, t[..., :-1])
+
+
+def test_hidden_state_loss_slices_a_pruned_hidden_size() -> None:
+    """A student of hidden ``H_s < H_t`` is compared with the teacher's first ``H_s`` channels (the
+    sorted parent's leading ones): zero when it holds exactly those, positive otherwise."""
+    from autocompress_nemo.distill.kd import hidden_state_loss
+
+    h_t = torch.randn(5, 2, 16)
+    assert float(hidden_state_loss([h_t[..., :8].clone()], [h_t])) == 0.0
+    assert float(hidden_state_loss([h_t[..., 8:].clone()], [h_t])) > 0.5
+    same = float(hidden_state_loss([h_t + 0.1], [h_t]))
+    assert same == pytest.approx(float(((0.1**2) * 16 / h_t.pow(2).sum(-1)).mean()), rel=1e-4)
+    with pytest.raises(ValueError, match="at most the teacher"):
+        hidden_state_loss([torch.randn(5, 2, 32)], [h_t])

@@ -305,3 +305,33 @@ def test_report_lists_every_output_with_the_command_that_reads_it(tmp_path: Path
     assert "## Outputs and what consumes them" in md and "trtllm-serve" in md
     md = write_report(tmp_path / "r2", _results())["report.md"].read_text()
     assert "No student was exported by this run" in md
+
+
+def test_quality_curve_section_embeds_the_bench(tmp_path) -> None:
+    """``bench/bench_quality.py``'s curve (``bench_quality/default/quality.json``) is read back by
+    the report stage and shown per method and budget with the ratio to the parent and the plot."""
+    from autocompress_nemo.report.quality_curve import CURVE, quality_curve_section, read_curve
+    from autocompress_nemo.utils.artifacts import write_json_atomic
+
+    assert read_curve(tmp_path) is None
+    assert "Not measured" in quality_curve_section({"quality_curve": None})[0]
+    plot = tmp_path / CURVE.parent / "quality.png"
+    plot.parent.mkdir(parents=True)
+    plot.write_bytes(b"png")
+    point = dict(tokens=32768, heldout_ppl=16.0, ratio_to_parent=16.0 / 11.2, train_kd_last_tenth=0.5, tokens_per_s=150.0)
+    write_json_atomic(
+        tmp_path / CURVE,
+        {
+            "parent": {"heldout_ppl": 11.2},
+            "labels": {"autocompress": "AutoCompress"},
+            "before_recovery": {"autocompress": {"heldout_ppl": 45.0}},
+            "curves": {"autocompress": [point]},
+            "distill": {"lr": 5e-4},
+            "overrides": [],
+            "measured": "held-out perplexity in PyTorch",
+            "plot": str(plot),
+        },
+    )
+    text = "\n".join(quality_curve_section({"quality_curve": read_curve(tmp_path)}))
+    assert "| AutoCompress | 32,768 | 16" in text and "1.43x" in text and "4.02x" in text
+    assert "lr=0.0005" in text and "](bench_quality/default/quality.png)" in text

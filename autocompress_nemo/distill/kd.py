@@ -126,11 +126,16 @@ def kd_train(
 def hidden_state_loss(student_hidden: list[torch.Tensor], teacher_hidden: list[torch.Tensor]) -> torch.Tensor:
     """Relative squared error between matched hidden states, per token, averaged.
 
-    For each pair ``(h_s, h_t)`` (same shape, e.g. ``[T, B, H]``) and each token position:
+    For each pair ``(h_s, h_t)`` (e.g. ``[T, B, H]``) and each token position:
     ``||h_s - h_t||^2 / ||h_t||^2`` over the hidden axis; the result is the mean over tokens
     and pairs. Relative, so layers whose residual stream has grown large do not dominate;
     per token, so it is a plain mean over tokens and splitting the batch (data parallel,
     micro-batches) gives the same loss and gradient.
+
+    A pruned hidden size (``H_s < H_t``) is compared through the sliced projection: the
+    student's residual channels are the sorted parent's first ``H_s`` (the rank stage orders
+    them by importance and extraction keeps the leading ones), so ``h_t[..., :H_s]`` is the
+    teacher's state in the student's basis.
     """
     if len(student_hidden) != len(teacher_hidden) or not student_hidden:
         raise ValueError(
@@ -139,13 +144,13 @@ def hidden_state_loss(student_hidden: list[torch.Tensor], teacher_hidden: list[t
         )
     total = student_hidden[0].new_zeros((), dtype=torch.float32)
     for h_s, h_t in zip(student_hidden, teacher_hidden, strict=True):
-        if h_s.shape != h_t.shape:
+        if h_s.shape[:-1] != h_t.shape[:-1] or h_s.shape[-1] > h_t.shape[-1]:
             raise ValueError(
                 f"hidden_state_loss: student hidden {tuple(h_s.shape)} vs teacher {tuple(h_t.shape)}; the "
-                "intermediate loss needs the same hidden size (set distill.intermediate_weight=0 when the "
-                "hidden size was pruned)"
+                "intermediate loss needs the same tokens and a student hidden size at most the teacher's "
+                "(set distill.intermediate_weight=0 otherwise)"
             )
-        h_t = h_t.detach().float()
+        h_t = h_t[..., : h_s.shape[-1]].detach().float()
         err = (h_s.float() - h_t).pow(2).sum(-1) / h_t.pow(2).sum(-1).clamp_min(1e-12)
         total = total + err.mean()
     return total / len(student_hidden)

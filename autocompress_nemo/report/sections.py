@@ -6,6 +6,7 @@ from typing import Any
 
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.report.outputs import outputs_section
+from autocompress_nemo.report.quality_curve import quality_curve_section
 from autocompress_nemo.report.quantization import quantization_section
 from autocompress_nemo.report.tables import (
     COST_METRICS,
@@ -391,6 +392,7 @@ def render_markdown(res: dict[str, Any]) -> str:
         ("Accuracy", _accuracy(res)),
         ("What quantization costs", quantization_section(res)),
         ("Before recovery distillation", _before_recovery(res)),
+        ("Quality versus recovery tokens", quality_curve_section(res)),
         ("Per-block widths", _widths(res)),
         ("Architecture checks before slicing", _selection(res)),
         ("Quality guard before slicing", _guard(res)),

@@ -91,6 +91,9 @@ def collect_results(ctx: Context, run_: Any, methods: list[str], validation: Val
     from autocompress_nemo.report.outputs import collect_outputs
 
     res["outputs"] = collect_outputs(d, methods)
+    from autocompress_nemo.report.quality_curve import read_curve
+
+    res["quality_curve"] = read_curve(d)
     res["timing"] = _timing(prov, res.get("validation") or {}, res["methods"], ev.get("timing") or {})
     for p in sorted(d.iterdir()):
         m = read_manifest(p) if p.is_dir() else None

@@ -1,0 +1,58 @@
+"""The report's "Quality versus recovery tokens" section: ``bench/bench_quality.py``'s curve for
+this run (``<run>/bench_quality/default/quality.json`` and its plot), when that bench was run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from autocompress_nemo.report.tables import fmt, table
+
+CURVE = Path("bench_quality") / "default" / "quality.json"
+"""Where ``bench/bench_quality.py`` (``--tag default``) writes the curve the report embeds."""
+
+
+def read_curve(run_dir: Path) -> dict[str, Any] | None:
+    from autocompress_nemo.context import read_json
+
+    path = run_dir / CURVE
+    return read_json(path) if path.is_file() else None
+
+
+def quality_curve_section(res: dict[str, Any]) -> list[str]:
+    q = res.get("quality_curve")
+    if not q:
+        return ["Not measured for this run: `python bench/bench_quality.py --run <run_dir>` draws it."]
+    parent = q["parent"]["heldout_ppl"]
+    rows = [["parent", "—", fmt(parent), "1.00x", "—", "—"]]
+    for m, points in q["curves"].items():
+        label = q["labels"].get(m, m)
+        before = q["before_recovery"][m]["heldout_ppl"]
+        rows.append([label, "0", fmt(before), f"{before / parent:.2f}x", "—", "—"])
+        for p in points:
+            tps = p.get("tokens_per_s")
+            rows.append(
+                [
+                    label,
+                    f"{p['tokens']:,}",
+                    fmt(p["heldout_ppl"]),
+                    f"{p['ratio_to_parent']:.2f}x",
+                    fmt(p["train_kd_last_tenth"]),
+                    f"{tps:.0f}" if tps else "(resumed)",
+                ]
+            )
+    lines = [
+        f"`bench/bench_quality.py` on this run: each student distilled at each token budget with its own "
+        f"schedule ({', '.join(f'{k}={v}' for k, v in q['distill'].items() if k in ('lr', 'min_lr', 'temperature', 'intermediate_weight', 'teacher_precision'))}"
+        f"{'; overrides ' + ' '.join(q['overrides']) if q.get('overrides') else ''}). {q['measured']}.",
+        "",
+        table(["model", "recovery tokens", "held-out ppl", "vs parent", "train KD (last tenth)", "tokens/s"], rows),
+    ]
+    if "autocompress_below_minitron_at_every_budget" in q:
+        lines += [
+            "",
+            f"AutoCompress below Minitron++ at every budget: {q['autocompress_below_minitron_at_every_budget']}.",
+        ]
+    if Path(q.get("plot", "")).is_file():  # report.md sits in the run directory, next to bench_quality/
+        lines += ["", f"![quality vs recovery tokens]({(CURVE.parent / 'quality.png').as_posix()})"]
+    return lines
