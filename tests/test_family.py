@@ -119,7 +119,10 @@ def test_adding_a_budget_runs_only_the_new_one(family, tmp_path, capsys) -> None
         (["search.budgets=[0.45x,40GB]"], "search.budgets[1]='40GB'"),
         (["search.budgets=[0.5x]", "search.family_steps=-1"], "search.family_steps=-1"),
         (
-            ["search.budgets=[0.5x]", "target.budget.constraints=[{metric:decode_ms,value:0.6x},{metric:memory_bytes,value:0.8x}]"],
+            [
+                "search.budgets=[0.5x]",
+                "target.budget.constraints=[{metric:decode_ms,value:0.6x},{metric:memory_bytes,value:0.8x}]",
+            ],
             "search.budgets needs exactly one constraint",
         ),
     ],
