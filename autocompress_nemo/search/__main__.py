@@ -6,7 +6,8 @@ With no arguments it runs the embedded default (SmolLM2-135M-Instruct, the ``cpu
 llama.cpp target, the standard-library corpus). ``baseline=true`` adds the Minitron++
 student at the same budget and recovery tokens; ``search=minitron_pp`` makes the baseline
 the main method. ``stages=[rank]`` runs (or reuses) only the named stages and what they
-need; ``dry_run=true`` plans without weights. A stage whose artifact is complete for the
+need; ``dry_run=true`` plans without weights. ``search.budgets=[0.45x,0.6x]`` makes a family: one
+student per budget from one profile, rank and supernet (``search/family.py``). A stage whose artifact is complete for the
 same inputs is skipped; a killed stage resumes from its checkpoint. What each stage reads
 (and so what reruns it) is declared in its module under ``autocompress_nemo/stages/``.
 """
