@@ -150,6 +150,12 @@ def search_core(
             outcome = run_router_search(*shared, seed=int(cfg.seed), checkpoint=ckpt, log=ctx.say, router_init=init)
             if family and supernet is None and bool(s.train_weights):  # the first budget: keep the trained supernet
                 save_supernet(ctx, spec, model, out)
+            if bool(s.train_weights) or start_sd is not sd:
+                # settle judges the child extract slices (from the sorted parent, not these weights) against the
+                # parent: extract refuses a sliced student whose KD differs from the judged one
+                from autocompress_nemo.models.hybrid.state_dict import hf_to_megatron
+
+                hf_to_megatron(spec, sd, model)
         else:
             outcome = run_minitron_pp(
                 *shared,
