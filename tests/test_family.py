@@ -78,6 +78,9 @@ def test_one_student_per_budget_on_one_supernet(family) -> None:
         check = ev["models"]["autocompress"]["budget_check"]
         assert check and all(c["pass"] for c in check.values())
         params.append(ev["models"]["autocompress"]["params"])
+        # settle judged the child on the sorted parent's weights, the ones extract slices (not the trained supernet)
+        guard = json.loads((run_dir / f"extract_autocompress@{b}" / "arch.json").read_text())["quality_guard"]
+        assert guard["sliced_kd"] == pytest.approx(guard["final_kd"], rel=1e-3, abs=1e-5)
     assert params == sorted(params) and params[0] < params[-1]
     a, b = (_arch(run_dir, x)["budgets"]["decode_ms"] for x in BUDGETS)
     assert a < b
@@ -157,3 +160,16 @@ def test_no_budgets_keeps_the_single_student_layout(tmp_path, capsys) -> None:
     assert not [n for n in names if "@" in n]
     assert "family" not in json.loads((tmp_path / "run" / "search_autocompress" / "arch.json").read_text())
     assert not (tmp_path / "run" / "search_autocompress" / "supernet.safetensors").exists()
+
+
+def test_a_failing_budget_is_named_for_the_exit_status(tmp_path) -> None:
+    from autocompress_nemo.search.__main__ import failing_students
+
+    paths = {}
+    for b, ok in (("0.45x", True), ("0.75x", False)):
+        check = {"decode_ms": {"measured": 2.0 if not ok else 1.0, "budget": 1.5, "pass": ok}}
+        p = tmp_path / f"evaluate@{b}.json"
+        p.write_text(json.dumps({"models": {"parent": {}, "autocompress": {"budget_check": check}}}))
+        paths[b] = str(p)
+    failed = failing_students({"evaluations": paths, "evaluation": paths["0.45x"]})
+    assert failed == ["autocompress (budget 0.75x) misses its budget: decode_ms 2 (budget 1.5)"]
