@@ -16,6 +16,7 @@ only their paths. A run holds ``<run_dir>/.lock`` while it works (``rundir.py``)
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import tempfile
@@ -83,6 +84,16 @@ class Run:
         self.say = say or (lambda s: print(s, flush=True))
         self.wall: dict[str, float] = {}
         self._data_fp: str | None = None
+        self.suffix = ""
+        """Appended to every stage directory this run names: ``@<budget>`` for a member of a family
+        (``search.budgets``, ``search/family.py``); empty otherwise."""
+
+    def for_budget(self, cfg: DictConfig, suffix: str) -> Run:
+        """This run as one budget of a family sees it: ``cfg`` (that budget's config) for the cache
+        keys, ``suffix`` on the stage directories; the directory, lock and data fingerprint are shared."""
+        out = copy.copy(self)
+        out.cfg, out.suffix = cfg, suffix
+        return out
 
     @contextlib.contextmanager
     def session(self) -> Iterator[Run]:
@@ -108,6 +119,9 @@ class Run:
         for k in keys:
             v = OmegaConf.select(self.cfg, k)
             out[k] = OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) else v
+        search = out.get("search")
+        if isinstance(search, dict) and not search.get("budgets"):  # no family: the keys of a run before them
+            out["search"] = {k: v for k, v in search.items() if k not in ("budgets", "family_steps")}
         return out
 
     def config_hash(self, keys: tuple[str, ...], inputs: list[Path], name: str = "") -> str:
@@ -135,14 +149,18 @@ class Run:
         ``stage.reads`` (``Context.for_stage``)."""
         view = ctx.for_stage(stage.reads)
         return self.stage(
-            stage.dir_name(method), lambda d: fn(view, d), stage.reads, inputs, rank0_only=stage.rank0_only
+            stage.dir_name(method) + self.suffix,
+            lambda d: fn(view, d),
+            stage.reads,
+            inputs,
+            rank0_only=stage.rank0_only,
         )
 
     def reuse(self, stage: Any, inputs: list[Path] | None = None, method: str | None = None) -> Path | None:
         """The artifact of a declared stage that is not asked to run, when it is complete for the same
         inputs (a stage's result never depends on whether it ran in this invocation or an earlier one:
         a Slurm chain runs one stage per job); ``None`` otherwise."""
-        final = self.dir / stage.dir_name(method)
+        final = self.dir / (stage.dir_name(method) + self.suffix)
         if is_complete(final, self.config_hash(stage.reads, inputs or [], stage.name)):
             self.say(f"[{final.name}] reused: artifact complete for the same inputs ({final})")
             return final
@@ -158,7 +176,7 @@ class Run:
         checkpoints made from this stage's inputs: it records the stage's cache key (config sections
         read, input checksums, data content) in ``fingerprint.json``; a directory with another key
         (or none) is set aside as ``<stage>.ckpt.stale`` and reported in one line, never resumed."""
-        d = self.dir / f"{stage.dir_name(method)}.ckpt"
+        d = self.dir / f"{stage.dir_name(method)}{self.suffix}.ckpt"
         if launch_rank() == 0:  # (before the process group is up, too: the other ranks wait in its init)
             fingerprinted(d, self.config_hash(stage.reads, inputs or [], stage.name), self.say)
         barrier()

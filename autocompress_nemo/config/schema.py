@@ -196,6 +196,15 @@ class SearchConfig:
     ``target.engine.settings``): the quick preset profiles with one timing round, fewer decode
     steps and fewer validation models. Empty: the target's own settings. Keys must be
     ``EngineSettings`` fields (``config/validate.py`` names any other)."""
+    budgets: list[Any] = field(default_factory=list)
+    """A family from one search: values of the target's one budget constraint (``"0.45x"``, ``"40ms"``,
+    a number; parsed like ``target.budget``), one student per value, each searched, extracted,
+    recovered, exported, measured and reported side by side. One profile, one rank, one supernet: the
+    first budget's search trains the supernet and its router; every further budget trains only its own
+    router on that supernet, frozen, for ``family_steps`` steps. Stage directories get ``@<budget>``.
+    Empty (default): one student at ``target.budget``."""
+    family_steps: int = 0
+    """Router steps of every budget after the first in ``budgets`` (0: a quarter of ``steps``)."""
     router_init: str = "uniform"
     """Router logits at the start: ``uniform``, ``parent`` (biased to the parent's widths) or ``linear``."""
     checkpoint_every: int = 50

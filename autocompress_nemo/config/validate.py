@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from autocompress_nemo.config import resolve
+from autocompress_nemo.config.family import check_budgets
 
 STAGES = ("profile", "validate", "rank", "search", "extract", "distill", "evaluate", "export")
 SOURCE_KINDS = ("gguf", "hf", "package", "random", "none")
@@ -317,7 +318,7 @@ def _check_search(c: dict, m: dict, t: dict) -> list[str]:
         if not _number(s.get(key)) or s[key] < 0:
             p.append(f"search.{key}={s.get(key)!r} must be a finite number >= 0")
     p += _check_engine_settings(s.get("profile_settings") or {}, "search.profile_settings")
-    return p
+    return p + check_budgets(s, t)
 
 
 _SETTING_CHOICES = {

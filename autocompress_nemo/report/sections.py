@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.report.family import family_section
 from autocompress_nemo.report.outputs import outputs_section
 from autocompress_nemo.report.quality_curve import quality_curve_section
 from autocompress_nemo.report.quantization import quantization_section
@@ -384,6 +385,7 @@ def render_markdown(res: dict[str, Any]) -> str:
     if run.get("command"):
         parts += [f"Command: `{run['command']}`" + (f" ({run['created']})" if run.get("created") else ""), ""]
     sections = [
+        *([("Family: one student per budget", family_section(res))] if res.get("family") else []),
         ("Summary", _summary(res)),
         ("Target and budgets", _target(res)),
         ("Models", _models(res)),

@@ -6,7 +6,8 @@ With no arguments it runs the embedded default (SmolLM2-135M-Instruct, the ``cpu
 llama.cpp target, the standard-library corpus). ``baseline=true`` adds the Minitron++
 student at the same budget and recovery tokens; ``search=minitron_pp`` makes the baseline
 the main method. ``stages=[rank]`` runs (or reuses) only the named stages and what they
-need; ``dry_run=true`` plans without weights. A stage whose artifact is complete for the
+need; ``dry_run=true`` plans without weights. ``search.budgets=[0.45x,0.6x]`` makes a family: one
+student per budget from one profile, rank and supernet (``search/family.py``). A stage whose artifact is complete for the
 same inputs is skipped; a killed stage resumes from its checkpoint. What each stage reads
 (and so what reruns it) is declared in its module under ``autocompress_nemo/stages/``.
 """
@@ -24,6 +25,8 @@ from omegaconf import DictConfig, open_dict
 from autocompress_nemo.config.entry import hydra_entry
 from autocompress_nemo.context import Context
 from autocompress_nemo.pipeline import Run
+from autocompress_nemo.search.autocompress import ParentMeetsBudget
+from autocompress_nemo.search.family import Member, members
 from autocompress_nemo.stages import distill, evaluate, export, extract, profile, rank, report, search
 from autocompress_nemo.stages.layout import DistillDir, ExtractDir, ProfileDir, RankDir, SearchDir, ValidateDir
 
@@ -60,19 +63,74 @@ def _run_stages(cfg: DictConfig, run: Run, ctx: Context) -> dict[str, Any]:
     methods = [str(cfg.search.method)] + (
         ["minitron_pp"] if cfg.baseline and cfg.search.method != "minitron_pp" else []
     )
+    family = members(cfg)
+    if not family:
+        ev = _students(cfg, run, ctx, methods, ranked, prof, validation)
+        if ev is not None:
+            out["evaluation"] = str(ev / "evaluation.json")
+        if "report" in wanted or "evaluate" in wanted:
+            out["report"] = str(report.run(ctx.for_stage(report.STAGE.reads), run, methods, validation))
+        return out
+    # a family (search.budgets): one student per budget from this profile, rank and one supernet
+    first: SearchDir | None = None
+    done: list[Member] = []
+    out["evaluations"] = {}
+    for member in family:
+        run_b, ctx_b = run.for_budget(member.cfg, member.suffix), Context(member.cfg, run.say)
+        ctx_b._shared = ctx._shared  # the parent, the corpus and the process groups are the family's
+        run.say(f"[family] budget {member.value} ({'first: trains the supernet' if member.first else 'extra'})")
+        try:
+            searched: dict[str, SearchDir] = {}
+            ev = _students(member.cfg, run_b, ctx_b, methods, ranked, prof, validation, first, searched)
+        except ParentMeetsBudget as e:
+            if member.first:
+                raise
+            run.say(f"[family] budget {member.value}: nothing to compress ({e})")
+            continue
+        if member.first:
+            first = searched.get("autocompress")
+        done.append(member)
+        if ev is not None:
+            out["evaluations"][str(member.value)] = str(ev / "evaluation.json")
+    if out["evaluations"]:
+        out["evaluation"] = next(iter(out["evaluations"].values()))
+    if ("report" in wanted or "evaluate" in wanted) and done:
+        out["report"] = str(report.run_family(ctx, run, methods, validation, done))
+    return out
+
+
+def _students(
+    cfg: DictConfig,
+    run: Run,
+    ctx: Context,
+    methods: list[str],
+    ranked: RankDir,
+    prof: ProfileDir,
+    validation: ValidateDir | None,
+    supernet: SearchDir | None = None,
+    searched: dict[str, SearchDir] | None = None,
+) -> Path | None:
+    """search -> extract -> distill -> export of every method, then evaluate; the evaluate artifact
+    (``None`` when not asked for). ``supernet``: the first budget's search of a family, whose
+    supernet an AutoCompress search of a further budget trains its router on; ``searched`` receives
+    every method's search artifact."""
+    wanted = set(cfg.stages)
     students: dict[str, Path] = {}
     extracted: dict[str, Path] = {}
     for m in methods:
         if not wanted & (LATER - {"rank"}):
             break
         inputs = [ranked.dir, prof.dir] + ([validation.dir] if validation else [])
+        net = supernet if m == "autocompress" else None
+        if net is not None:  # the first budget's supernet: its checksums are part of this search's key
+            inputs.append(net.dir)
         try:
             found = SearchDir(
                 run.run_stage(
                     search.STAGE,
                     ctx,
-                    lambda c, d, m=m, i=inputs: search.run(
-                        c, d, m, ranked, prof, validation, run.checkpoint(search.STAGE, i, m)
+                    lambda c, d, m=m, i=inputs, n=net: search.run(
+                        c, d, m, ranked, prof, validation, run.checkpoint(search.STAGE, i, m), n
                     ),
                     inputs,
                     m,
@@ -81,8 +139,10 @@ def _run_stages(cfg: DictConfig, run: Run, ctx: Context) -> dict[str, Any]:
         except ValueError as e:
             if m == str(cfg.search.method):
                 raise
-            run.say(f"[search_{m}] baseline not run: {e}")  # e.g. no uniform architecture meets the budget
+            run.say(f"[search_{m}{run.suffix}] baseline not run: {e}")  # e.g. no uniform architecture meets the budget
             continue
+        if searched is not None:
+            searched[m] = found
         student = run.run_stage(
             extract.STAGE, ctx, lambda c, d, f=found: extract.run(c, d, ranked, f), [ranked.dir, found.dir], m
         )
@@ -103,17 +163,14 @@ def _run_stages(cfg: DictConfig, run: Run, ctx: Context) -> dict[str, Any]:
         for m, s in students.items():
             exports[m] = run.run_stage(export.STAGE, ctx, lambda c, d, s=s: export.run(c, d, DistillDir(s)), [s], m)
     if "evaluate" in wanted and students:
-        ev = run.run_stage(
+        return run.run_stage(
             evaluate.STAGE,
             ctx,
             lambda c, d: evaluate.run(c, d, prof, validation, students, extracted, exports),
             [ranked.dir, prof.dir, *students.values(), *extracted.values(), *exports.values()]
             + ([validation.dir] if validation else []),
         )
-        out["evaluation"] = str(ev / "evaluation.json")
-    if "report" in wanted or "evaluate" in wanted:
-        out["report"] = str(report.run(ctx.for_stage(report.STAGE.reads), run, methods, validation))
-    return out
+    return None
 
 
 def with_profile_settings(cfg: DictConfig) -> DictConfig:
@@ -136,7 +193,6 @@ def _task(cfg: DictConfig) -> dict[str, Any]:
     cleanly (exit status 0, nothing to compress). A student over a budget in the evaluation exits
     with ``fail_exit_code`` (default 3)."""
     from autocompress_nemo.rundir import describe_os_error, disk_error
-    from autocompress_nemo.search.autocompress import ParentMeetsBudget
 
     try:
         out = run_pipeline(cfg)
@@ -171,16 +227,23 @@ def failing_students(out: dict[str, Any]) -> list[str]:
     """``"<student>: <metric> <measured> > <budget>"`` for every student the evaluation found over a budget."""
     import json
 
-    path = out.get("evaluation")
-    if not path or not Path(path).is_file():
-        return []
-    models = json.loads(Path(path).read_text()).get("models", {})
-    return [
-        f"{name} misses its budget: "
-        + ", ".join(f"{k} {c['measured']:.4g} (budget {c['budget']:.4g})" for k, c in checks.items() if not c["pass"])
-        for name, r in models.items()
-        if name != "parent" and (checks := r.get("budget_check") or {}) and not all(c["pass"] for c in checks.values())
-    ]
+    paths = out.get("evaluations") or ({"": out["evaluation"]} if out.get("evaluation") else {})
+    failed: list[str] = []
+    for budget, path in paths.items():
+        if not Path(path).is_file():
+            continue
+        models = json.loads(Path(path).read_text()).get("models", {})
+        failed += [
+            f"{name}{f' (budget {budget})' if budget else ''} misses its budget: "
+            + ", ".join(
+                f"{k} {c['measured']:.4g} (budget {c['budget']:.4g})" for k, c in checks.items() if not c["pass"]
+            )
+            for name, r in models.items()
+            if name != "parent"
+            and (checks := r.get("budget_check") or {})
+            and not all(c["pass"] for c in checks.values())
+        ]
+    return failed
 
 
 main = hydra_entry(_task, lock_run_dir=True)

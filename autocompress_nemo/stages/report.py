@@ -43,12 +43,15 @@ def _timing(prov: dict[str, Any], val: dict[str, Any], methods: dict[str, Any], 
     }
 
 
-def collect_results(ctx: Context, run_: Any, methods: list[str], validation: ValidateDir | None) -> dict[str, Any]:
-    """Everything the report shows, read back from the artifacts of this run."""
+def collect_results(
+    ctx: Context, run_: Any, methods: list[str], validation: ValidateDir | None, suffix: str = ""
+) -> dict[str, Any]:
+    """Everything the report shows, read back from the artifacts of this run (``suffix``: those of
+    one budget of a family, ``@<budget>``)."""
     from autocompress_nemo.utils.artifacts import read_manifest
 
     d = run_.dir
-    evaluation = EvaluateDir(d / "evaluate").evaluation
+    evaluation = EvaluateDir(d / f"evaluate{suffix}").evaluation
     ev = read_json(evaluation) if evaluation.is_file() else {}
     table = ProfileDir(d / "profile").table
     prov = read_json(table).get("provenance", {}) if table.is_file() else {}
@@ -75,10 +78,10 @@ def collect_results(ctx: Context, run_: Any, methods: list[str], validation: Val
         "before_recovery": ev.get("before_recovery", {}),
     }
     for m in methods:
-        found = SearchDir(d / f"search_{m}")
+        found = SearchDir(d / f"search_{m}{suffix}")
         if found.arch.is_file():
             rec = read_json(found.arch)
-            dist = DistillDir(d / f"distill_{m}").record
+            dist = DistillDir(d / f"distill_{m}{suffix}").record
             res["methods"][m] = {
                 "label": METHODS.get(m, m),
                 "arch": rec,
@@ -90,13 +93,32 @@ def collect_results(ctx: Context, run_: Any, methods: list[str], validation: Val
         res["validation"] = read_json(validation.validation)["summary"]
     from autocompress_nemo.report.outputs import collect_outputs
 
-    res["outputs"] = collect_outputs(d, methods)
+    res["outputs"] = collect_outputs(d, [f"{m}{suffix}" for m in methods])
     from autocompress_nemo.report.quality_curve import read_curve
 
     res["quality_curve"] = read_curve(d)
     res["timing"] = _timing(prov, res.get("validation") or {}, res["methods"], ev.get("timing") or {})
     for p in sorted(d.iterdir()):
         m = read_manifest(p) if p.is_dir() else None
-        if m:
+        if m and ("@" not in p.name or p.name.endswith(suffix or "@")):  # a family: this budget's stages
             res["stages_wall_s"][p.name] = m.get("wall_s")
     return res
+
+
+def run_family(ctx: Context, run_: Any, methods: list[str], validation: ValidateDir | None, family: list) -> Path:
+    """A family's reports (``search.budgets``): every budget's own ``report@<budget>/report.md``, and
+    ``report.md`` — the first budget's report with the family table (``report/family.py``) on top."""
+    from autocompress_nemo.report import write_report
+    from autocompress_nemo.report.family import family_rows
+
+    results = []
+    for member in family:
+        view = Context(member.cfg, ctx.say).for_stage(STAGE.reads)
+        res = collect_results(view, run_, methods, validation, member.suffix)
+        if res["models"]:
+            write_report(run_.dir / f"report{member.suffix}", res)
+        results.append((member, res))
+    main = dict(results[0][1])
+    main["family"] = family_rows(results, methods)
+    write_report(run_.dir, main)
+    return run_.dir / "report.md"

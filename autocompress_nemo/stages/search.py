@@ -13,6 +13,7 @@ from autocompress_nemo.arch.counts import param_count
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.blocks import describe
 from autocompress_nemo.context import Context, load_weights, read_json
+from autocompress_nemo.search.family import family_record, family_steps, load_supernet, save_supernet
 from autocompress_nemo.stages.common import (
     METHODS,
     budgets,
@@ -42,8 +43,11 @@ def run(
     profile: ProfileDir,
     validation: ValidateDir | None,
     ckpt_dir: Path,
+    supernet: SearchDir | None = None,
 ) -> None:
-    """Choose the architecture (``arch.json``) with the router or the Minitron++ enumeration."""
+    """Choose the architecture (``arch.json``) with the router or the Minitron++ enumeration.
+    ``supernet``: the first budget's search of a family (``search/family.py``), whose trained
+    supernet this budget's router trains on, frozen."""
     from autocompress_nemo.extract.repair import option_importance
     from autocompress_nemo.rank.importance import Importance
 
@@ -53,7 +57,19 @@ def run(
     def importance(ds: list) -> list[list[float]]:
         return option_importance(ds, imp)
 
-    search_core(ctx, out, method, spec, sd, importance, profile.table, validation, ckpt_dir, describe=describe)
+    search_core(
+        ctx,
+        out,
+        method,
+        spec,
+        sd,
+        importance,
+        profile.table,
+        validation,
+        ckpt_dir,
+        describe=describe,
+        supernet=supernet.dir if supernet is not None else None,
+    )
 
 
 class _Costs:
@@ -80,11 +96,14 @@ def search_core(
     validation: ValidateDir | None,
     ckpt_dir: Path,
     describe: Any,
+    supernet: Path | None = None,
 ) -> None:
     """The search of every model family: budgets, space, router or Minitron++, repair/grow, ``arch.json``.
 
     ``option_importance(decisions)`` gives the importance kept by every option (for repair/grow);
-    ``describe(spec)`` a one-line shape for the log."""
+    ``describe(spec)`` a one-line shape for the log. ``supernet``: the first budget's search artifact
+    of a family (``search.budgets``); this budget's router then trains on its supernet, frozen, for
+    ``search.family_steps`` steps."""
     from autocompress_nemo.costs.predictor import Predictor
     from autocompress_nemo.extract.archjson import arch_record
     from autocompress_nemo.search.autocompress import ParentMeetsBudget, check_budget_reachable, run_router_search
@@ -103,6 +122,8 @@ def search_core(
     )
     verdict = check_budget_reachable(spec, decisions, costs, budget)
     model: torch.nn.Module | None = None
+    family = bool(list(s.get("budgets") or []))
+    steps, read, start_sd = int(s.steps), {}, sd
     if verdict == "parent":  # distilling the parent into itself would only copy it: stop (README)
         pc = costs.predict(spec)
         raise ParentMeetsBudget(
@@ -111,7 +132,12 @@ def search_core(
             + "); tighten target.budget (e.g. target.budget.constraints.0.value=0.6x) for a smaller student"
         )
     else:
-        model = ctx.model(spec, sd)
+        if family and supernet is not None and method == "autocompress":
+            trained, read = load_supernet(supernet)
+            start_sd = trained if trained is not None else sd
+            steps, s = family_steps(s), frozen_router_settings(s, family_steps(s))
+            ctx.say(f"[search:{method}] supernet of the first budget: {read['supernet_from']}; {steps} router steps")
+        model = ctx.model(spec, start_sd)
         seq, bs = int(s.seq_len), int(s.batch_size)
 
         def batch_at(step: int) -> torch.Tensor:
@@ -122,6 +148,14 @@ def search_core(
             ckpt = str(ckpt_dir / "router.pt")
             init = str(s.router_init)
             outcome = run_router_search(*shared, seed=int(cfg.seed), checkpoint=ckpt, log=ctx.say, router_init=init)
+            if family and supernet is None and bool(s.train_weights):  # the first budget: keep the trained supernet
+                save_supernet(ctx, spec, model, out)
+            if bool(s.train_weights) or start_sd is not sd:
+                # settle judges the child extract slices (from the sorted parent, not these weights) against the
+                # parent: extract refuses a sliced student whose KD differs from the judged one
+                from autocompress_nemo.models.hybrid.state_dict import hf_to_megatron
+
+                hf_to_megatron(spec, sd, model)
         else:
             outcome = run_minitron_pp(
                 *shared,
@@ -171,6 +205,8 @@ def search_core(
         "calls": int(getattr(settler.judge, "calls", 0)),
         "tokens": int(getattr(settler.judge, "tokens", 0)),
     }
+    if family:
+        rec["family"] = family_record(s, method, supernet is None, outcome, read, steps)
     if method == "minitron_pp" and hasattr(outcome, "record"):  # Minitron++'s depth axis (search/minitron.py)
         rec["minitron"] = outcome.record()
     art = SearchDir(out)
@@ -181,6 +217,15 @@ def search_core(
         f"[search:{method}] chose {describe(child)} params {param_count(child):,} predicted "
         + ", ".join(f"{m}={pred[m]:.4g}/{b:.4g}" for m, b in budget.items())
     )
+
+
+def frozen_router_settings(s: Any, steps: int) -> Any:
+    """The search settings of a family's extra budget: ``steps`` router steps, supernet weights frozen."""
+    from omegaconf import OmegaConf
+
+    out = OmegaConf.create(OmegaConf.to_container(s, resolve=True))  # the stage's view is read-only
+    out.steps, out.train_weights = int(steps), False
+    return out
 
 
 def _plot_trajectory(traj: list[dict], path: Path, method: str) -> None:
