@@ -318,7 +318,9 @@ def test_quality_curve_section_embeds_the_bench(tmp_path) -> None:
     plot = tmp_path / CURVE.parent / "quality.png"
     plot.parent.mkdir(parents=True)
     plot.write_bytes(b"png")
-    point = dict(tokens=32768, heldout_ppl=16.0, ratio_to_parent=16.0 / 11.2, train_kd_last_tenth=0.5, tokens_per_s=150.0)
+    point = dict(
+        tokens=32768, heldout_ppl=16.0, ratio_to_parent=16.0 / 11.2, train_kd_last_tenth=0.5, tokens_per_s=150.0
+    )
     write_json_atomic(
         tmp_path / CURVE,
         {
