@@ -12,7 +12,9 @@ on the run's held-out text (``stages.evaluate.heldout_perplexity``: PyTorch, the
 stage's batches). Every budget is its own run (a cosine schedule cut short is not a recovery
 at that budget); each resumes from its checkpoint under
 ``<run>/bench_quality/<tag>/<method>_<tokens>/``, so the bench continues where it stopped and a
-finished point costs only its evaluation. Overrides (``key=value``, OmegaConf dot-list) change
+finished point costs only its evaluation. Without overrides, a budget equal to the run's own
+``distill.tokens`` is the run's ``distill_<method>`` student (same config, same batches), evaluated
+and not distilled again. Overrides (``key=value``, OmegaConf dot-list) change
 the run's config for this bench only (e.g. ``distill.lr=3e-4``); use a ``--tag`` per setting.
 
 Prints one JSON object and writes it, with a PNG plot, to ``<run>/bench_quality/<tag>/``
@@ -57,7 +59,9 @@ def _config(run: Path, overrides: list[str]) -> Any:
     return cfg
 
 
-def _point(ctx: Any, run: Path, method: str, tokens: int, teacher: torch.nn.Module, out: Path) -> dict[str, Any]:
+def _point(
+    ctx: Any, run: Path, method: str, tokens: int, teacher: torch.nn.Module, out: Path, reuse: bool
+) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     from autocompress_nemo.context import load_weights
@@ -66,9 +70,14 @@ def _point(ctx: Any, run: Path, method: str, tokens: int, teacher: torch.nn.Modu
     from autocompress_nemo.stages.evaluate import heldout_perplexity
 
     cspec, csd = load_weights(run / f"extract_{method}")
+    t0 = time.perf_counter()
+    done = _pipeline_point(run, method, tokens) if reuse else None
+    if done is not None:  # the run's own distill stage at this budget: evaluated, not repeated
+        res, sd = done
+        ev = heldout_perplexity(ctx, cspec, sd, lm_eval=False)
+        return _row(method, res, ev, time.perf_counter() - t0, source=f"the run's distill_{method} stage")
     student = ctx.model(cspec, csd)
     d = OmegaConf.merge(ctx.cfg.distill, {"tokens": int(tokens), "wandb_project": ""})
-    t0 = time.perf_counter()
     res = distill(
         student,
         teacher,
@@ -81,7 +90,27 @@ def _point(ctx: Any, run: Path, method: str, tokens: int, teacher: torch.nn.Modu
         name=f"{method}@{tokens}",
     )
     ev = heldout_perplexity(ctx, cspec, ctx.to_hf(cspec, student), lm_eval=False)
-    tail = [r["kd"] for r in res["history"][-max(1, len(res["history"]) // 10) :]]
+    return _row(method, res, ev, time.perf_counter() - t0, source=f"bench_quality ({out})")
+
+
+def _pipeline_point(run: Path, method: str, tokens: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+    """The run's ``distill_<method>`` result when it recovered exactly ``tokens`` tokens (same
+    config: the bench reads the run's own, without overrides)."""
+    from autocompress_nemo.context import load_weights, read_json
+    from autocompress_nemo.stages.layout import DistillDir
+
+    d = DistillDir(run / f"distill_{method}")
+    if not (d.record.is_file() and (d.dir / "model.safetensors").is_file()):
+        return None
+    rec = read_json(d.record)
+    if int(rec.get("tokens", -1)) != int(tokens):
+        return None
+    return rec, load_weights(d.dir)[1]
+
+
+def _row(method: str, res: dict[str, Any], ev: dict[str, Any], wall: float, source: str) -> dict[str, Any]:
+    hist = res.get("history") or []
+    tail = [r["kd"] for r in hist[-max(1, len(hist) // 10) :]] or [float("nan")]
     return {
         "method": method,
         "tokens": res["tokens"],
@@ -90,9 +119,10 @@ def _point(ctx: Any, run: Path, method: str, tokens: int, teacher: torch.nn.Modu
         "heldout_nll": ev["heldout_nll"],
         "kd_to_parent_heldout": ev["kd_to_parent"],
         "train_kd_last_tenth": sum(tail) / len(tail),
-        "tokens_per_s": res["tokens_per_s"] if res["tokens_this_run"] else None,
-        "wall_s": time.perf_counter() - t0,
-        "resumed_from_step": res["resumed_from_step"],
+        "tokens_per_s": res["tokens_per_s"] if res.get("tokens_this_run") else None,
+        "wall_s": wall,
+        "resumed_from_step": res.get("resumed_from_step", 0),
+        "source": source,
     }
 
 
@@ -169,7 +199,7 @@ def main() -> None:
         result["before_recovery"][m] = heldout_perplexity(ctx, cspec, csd, lm_eval=False)
     for m in methods:
         for tokens in budgets:
-            row = _point(ctx, run, m, tokens, teacher, out / f"{m}_{tokens}")
+            row = _point(ctx, run, m, tokens, teacher, out / f"{m}_{tokens}", reuse=not a.overrides)
             row["ratio_to_parent"] = row["heldout_ppl"] / result["parent"]["heldout_ppl"]
             result["curves"][m].append(row)
             _say(
