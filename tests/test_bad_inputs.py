@@ -88,7 +88,7 @@ CASES = {
     "nan learning rate": (lambda t, g: ["distill.lr=nan"], ["distill.lr=nan must be positive: give a finite number"]),
     "unknown teacher precision": (
         lambda t, g: ["distill.teacher_precision=fp8"],
-        ["distill.teacher_precision='fp8': use fp32 or bf16"],
+        ["distill.teacher_precision='fp8': use auto, fp32 or bf16"],
     ),
     "infinite router learning rate": (lambda t, g: ["search.router_lr=inf"], ["search.router_lr=inf must be positive"]),
     "no distillation tokens": (

@@ -310,3 +310,34 @@ def test_hidden_state_loss_slices_a_pruned_hidden_size() -> None:
     assert same == pytest.approx(float(((0.1**2) * 16 / h_t.pow(2).sum(-1)).mean()), rel=1e-4)
     with pytest.raises(ValueError, match="at most the teacher"):
         hidden_state_loss([torch.randn(5, 2, 32)], [h_t])
+
+
+def test_bf16_teacher_is_close_and_auto_follows_the_hardware(megatron_tp1, tmp_path: Path) -> None:
+    """``distill.teacher_precision=bf16`` runs the teacher under bf16 autocast: the first KD loss is
+    within 2 % of the float32 teacher's (same student, same batch); ``auto`` picks bf16 exactly when
+    the CPU has native bf16 instructions; an unknown name is refused."""
+    from autocompress_nemo.distill.recover import native_bf16, teacher_precision
+    from autocompress_nemo.models.builder import forward_logits
+
+    first = {}
+    for prec in ("fp32", "bf16"):
+        student, teacher = _models()
+        res = distill(
+            student,
+            teacher,
+            forward_logits,
+            batch_fn(128, 4, 16),
+            _cfg(1, teacher_precision=prec),
+            tmp_path / prec,
+            seed=0,
+            optimizer="torch",
+        )
+        first[prec] = res["history"][0]["kd"]
+    assert first["bf16"] != first["fp32"]
+    assert first["bf16"] == pytest.approx(first["fp32"], rel=0.02)
+    cpu_native = " avx512_bf16" in Path("/proc/cpuinfo").read_text() or " amx_bf16" in Path("/proc/cpuinfo").read_text()
+    assert native_bf16("cpu") == cpu_native
+    with teacher_precision("auto", teacher)():
+        assert torch.is_autocast_enabled("cpu") == cpu_native
+    with pytest.raises(ValueError, match="teacher_precision='fp16'"):
+        teacher_precision("fp16", teacher)

