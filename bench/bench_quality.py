@@ -197,8 +197,8 @@ def main() -> None:
     for m in methods:
         cspec, csd = load_weights(run / f"extract_{m}")
         result["before_recovery"][m] = heldout_perplexity(ctx, cspec, csd, lm_eval=False)
-    for m in methods:
-        for tokens in budgets:
+    for tokens in budgets:  # both methods at each budget before the next: a stopped bench stays comparable
+        for m in methods:
             row = _point(ctx, run, m, tokens, teacher, out / f"{m}_{tokens}", reuse=not a.overrides)
             row["ratio_to_parent"] = row["heldout_ppl"] / result["parent"]["heldout_ppl"]
             result["curves"][m].append(row)
