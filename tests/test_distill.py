@@ -132,30 +132,19 @@ def test_matched_layers_and_clear_errors(megatron_tp1, tmp_path: Path) -> None:
     teacher = build_model(tiny_uniform_spec(), init_seed=0, impl="local")
     narrow = ArchSpec.llama(hidden=32, vocab=128, layers=2, heads=2, kv_groups=1, ffn=64, head_dim=16)
     student = build_model(narrow, init_seed=0, impl="local")
+
+    def with_hidden_loss(model: torch.nn.Module, name: str) -> dict:
+        cfg = _cfg(2, intermediate_weight=1.0)
+        return distill(
+            model, teacher, forward_logits, batch_fn(128, 4, 16), cfg, tmp_path / name, seed=0, optimizer="torch"
+        )
+
     # a pruned hidden size: the intermediate loss compares with the teacher's leading channels
-    res = distill(
-        student,
-        teacher,
-        forward_logits,
-        batch_fn(128, 4, 16),
-        _cfg(2, intermediate_weight=1.0),
-        tmp_path / "h",
-        seed=0,
-        optimizer="torch",
-    )
+    res = with_hidden_loss(student, "h")
     assert all(r["hidden"] > 0 for r in res["history"])
     wide = build_model(narrow.replace(hidden=2 * tiny_uniform_spec().hidden), init_seed=0, impl="local")
     with pytest.raises(ValueError, match="intermediate_weight=0"):
-        distill(
-            wide,
-            teacher,
-            forward_logits,
-            batch_fn(128, 4, 16),
-            _cfg(2, intermediate_weight=1.0),
-            tmp_path / "w",
-            seed=0,
-            optimizer="torch",
-        )
+        with_hidden_loss(wide, "w")
     with pytest.raises(ValueError, match="distill.batch_size=4"):
         distill(
             student, teacher, forward_logits, batch_fn(128, 3, 16), _cfg(2), tmp_path / "b", seed=0, optimizer="torch"
