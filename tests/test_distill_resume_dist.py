@@ -156,22 +156,45 @@ def test_two_gloo_ranks_resume_from_the_dist_checkpoint(megatron_tp1, tmp_path: 
     assert sorted(p.name for p in (ckpt / "iter_0000006").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
-def _resume_at_dp2(rank: int, world: int, root: str) -> dict:
+def _resume_at(rank: int, world: int, tp: int, root: str) -> dict:
+    from autocompress_nemo.distill.recover import distill
     from autocompress_nemo.distributed import init_distributed
+    from autocompress_nemo.models.builder import forward_logits
+    from autocompress_nemo.models.hybrid.state_dict import megatron_to_hf
 
-    init_distributed(tp=1, seed=0)
-    res, _ = _run(Path(root) / "b", student_seed=99)
-    return {"from": res["resumed_from_step"], "losses": _losses(res)}
+    init_distributed(tp=tp, seed=0)
+    logs: list[str] = []
+    student, teacher = _models(99)
+    res = distill(
+        student,
+        teacher,
+        forward_logits,
+        batch_fn(128, 4, 16),
+        _cfg(STEPS, intermediate_weight=0.5),
+        Path(root) / "b",
+        seed=7,
+        optimizer="torch",
+        log=logs.append,
+    )
+    w = megatron_to_hf(tiny_hetero_spec(), student)
+    return {"from": res["resumed_from_step"], "losses": _losses(res), "logs": logs, "w": w if rank == 0 else None}
 
 
 @pytest.mark.distributed
-def test_a_one_process_checkpoint_resumes_at_dp2(megatron_tp1, tmp_path: Path) -> None:
-    """Model and AdamW state are replicated over DP: a checkpoint of one process resumes on two DP
-    ranks (each rank's RNG states are not in it: left as they are)."""
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
+def test_a_one_process_checkpoint_resumes_on_two_ranks(megatron_tp1, tmp_path: Path, tp: int) -> None:
+    """A checkpoint of one process resumes on two ranks: at DP=2 (model and AdamW state replicated)
+    and at TP=2 (torch_dist reshards the weights and AdamW's moments along their TP axis; before,
+    another TP size was refused). Each rank's RNG states are not in it: left as they are."""
     from autocompress_nemo.distributed.spawn import spawn
 
-    ref, _ = _run(tmp_path / "a")
+    ref, ref_w = _run(tmp_path / "a")
     _killed(tmp_path / "b")
-    for o in spawn(_resume_at_dp2, 2, str(tmp_path)):
+    outs = spawn(_resume_at, 2, tp, str(tmp_path))
+    for o in outs:
+        print(f"tp={tp}: resumed from {o['from']}, losses {o['losses']} (uninterrupted {_losses(ref)})")
         assert o["from"] == 2
-        assert o["losses"] == pytest.approx(_losses(ref), rel=1e-5, abs=1e-6)  # DP=2 sums in another order
+        assert o["losses"] == pytest.approx(_losses(ref), rel=1e-5, abs=1e-6)  # two ranks sum in another order
+        assert any("resharding it to TP=2" in line for line in o["logs"]) == (tp == 2)
+    w = outs[0]["w"]
+    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4

@@ -112,7 +112,7 @@ def test_what_cannot_be_read_is_refused_with_the_fix(tiny_hf, tmp_path):
     (bad / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64}))
     msg = problems("model=hf", f"model.source.path={bad}")
     assert "model_type 'gpt2' is not supported; supported model_type values: " in msg
-    assert "llama, mistral, nemotron_h, qwen2, qwen3, qwen3_moe" in msg
+    assert "llama, mistral, nemotron-nas, nemotron_h, nemotron_h_puzzle, qwen2, qwen3, qwen3_moe" in msg
     notok = tmp_path / "no_tokenizer"
     shutil.copytree(tiny_hf, notok, ignore=shutil.ignore_patterns("tokenizer*"))
     assert "holds no tokenizer" in problems("model=hf", f"model.source.path={notok}")
@@ -150,27 +150,4 @@ def test_moe_and_hybrid_configs_give_the_yaml_fields(yaml, tmp_path):
             assert cfg.model[key] == value, key
 
 
-def test_pipeline_runs_on_a_hf_parent(tiny_hf, tmp_path, capsys):
-    """profile (roofline) and rank on the saved directory, with its own tokenizer and a JSONL corpus."""
-    from autocompress_nemo.search.__main__ import run_pipeline
-
-    corpus = tmp_path / "c.jsonl"
-    lines = [json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 6}) for i in range(60)]
-    corpus.write_text("\n".join(lines) + "\n")
-    cfg = compose(
-        [
-            "model=hf",
-            f"model.source.path={tiny_hf}",
-            *ROOFLINE,
-            "data=files",
-            f"data.paths=[{corpus}]",
-            "data.holdout_fraction=0.2",
-            "stages=[profile,rank]",
-            f"run_dir={tmp_path}/run",
-        ]
-    )
-    assert collect_problems(cfg) == []
-    run_pipeline(cfg)
-    out = capsys.readouterr().out
-    assert "[profile] running" in out and "[rank] running" in out
-    assert (tmp_path / "run" / "rank" / "model.safetensors").is_file()
+# The whole pipeline on model=hf / model=gguf parents (uniform and heterogeneous): tests/test_own_model_e2e.py

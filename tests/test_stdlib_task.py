@@ -23,6 +23,14 @@ def test_items_have_the_true_next_line() -> None:
     assert make_items(TEXTS, 10, seed=0) == items  # deterministic
 
 
+def test_short_held_out_documents_are_refused_by_name() -> None:
+    """Documents of at most ``context_lines`` lines give no item: said with the fix, never an empty
+    task file that lm-eval fails on (``StopIteration`` deep inside ``datasets``)."""
+    short = ["\n".join(f"x_{d}_{i} = compute({i})" for i in range(12)) for d in range(8)]
+    with pytest.raises(ValueError, match=r"no held-out document is longer than 12 lines.*lm_eval_tasks=\[\]"):
+        make_items(short, 10, seed=0)
+
+
 def test_lm_eval_scores_an_oracle(tmp_path) -> None:
     """An oracle LM that gives the true continuation the highest likelihood scores acc 1.0,
     so the task's fields (context, choices, label) reach lm-eval as intended."""

@@ -4,17 +4,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock, block_from_dict
 
 
 def _get(m: Any, key: str, default: Any = 0) -> Any:
     return m.get(key, default) if isinstance(m, dict) else getattr(m, key, default)
 
 
+def _plain(b: Any) -> dict[str, Any]:
+    """A block entry of ``model.blocks`` as a plain dict (a DictConfig from the config, or a dict)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    d = OmegaConf.to_container(b, resolve=True) if isinstance(b, DictConfig) else b
+    if not isinstance(d, dict):
+        raise ValueError(f"model.blocks entry {b!r} is not a block (a mapping with kind and its sizes)")
+    return dict(d)  # type: ignore[arg-type]
+
+
 def spec_from_model_config(m: Any) -> ArchSpec:
     """Build the parent's ArchSpec from ``cfg.model`` (a DictConfig, dataclass or dict).
 
-    Llama-style models give ``num_layers``; hybrids give ``pattern``.
+    Llama-style models give ``num_layers``; hybrids give ``pattern``; a heterogeneous parent gives
+    ``blocks`` (one dict per block, read from its own files), which then decides every block.
     """
     hidden, heads = int(_get(m, "hidden")), int(_get(m, "heads"))
     head_dim = int(_get(m, "head_dim")) or (hidden // heads if heads else 0)
@@ -26,6 +37,14 @@ def spec_from_model_config(m: Any) -> ArchSpec:
         rope_theta=float(_get(m, "rope_theta", 10000.0)),
         max_position=int(_get(m, "max_position", 4096)),
     )
+    blocks = _get(m, "blocks", None) or []
+    if len(blocks):  # a heterogeneous parent: its own blocks (models/shape.model_fields)
+        return ArchSpec(
+            hidden=hidden,
+            vocab=int(_get(m, "vocab")),
+            blocks=tuple(block_from_dict(_plain(b)) for b in blocks),
+            **common,
+        )
     pattern = str(_get(m, "pattern", "") or "")
     act = str(_get(m, "activation", "swiglu"))
     if not pattern:

@@ -130,6 +130,11 @@ class ModelConfig:
     max_position: int = 4096
     dtype: str = "bf16"
     """Parameter dtype the model is trained / served in."""
+    blocks: list[Any] = field(default_factory=list)
+    """A heterogeneous parent (DeciLM ``block_configs``, a Puzzle Nemotron-H, a ``deci`` GGUF with
+    per-layer widths): one dict per block in ``ArchSpec``'s ``blocks`` form, read from the model's own
+    files. Empty: every block of a kind has the shape of the fields above. When set, the fields above
+    hold the widest block of each kind (what validation and planning read)."""
     reference: str = ""
     """Where the shape comes from (the published config)."""
 

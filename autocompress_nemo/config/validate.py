@@ -267,6 +267,12 @@ def _check_fit(c: dict, m: dict, t: dict) -> list[str]:
             p.append(f"{where} and model.kv_groups={kv}: neither divides the other (KV heads are split or replicated)")
         if m.get("mamba_heads") and "mamba" in kinds and m["mamba_heads"] % tp:
             p.append(f"{where} does not divide model.mamba_heads={m['mamba_heads']}")
+        for i, b in enumerate(m.get("blocks") or []):  # a heterogeneous parent: every block shards
+            q, g = b.get("num_heads") or 0, b.get("num_kv_groups") or 0
+            if b.get("kind") == "attention" and ((q and q % tp) or (g and g % tp and tp % g)):
+                p.append(f"{where} does not shard model.blocks[{i}] ({q} query heads, {g} KV groups)")
+            if b.get("kind") == "mamba" and (b.get("num_heads") or 0) % tp:
+                p.append(f"{where} does not divide model.blocks[{i}]'s {b.get('num_heads')} Mamba heads")
     return p
 
 

@@ -175,8 +175,9 @@ class CheckpointStore:
         returned.
 
         A checkpoint of another configuration (different steps, batch, learning rate...) is
-        not resumed: the run starts over and says why. A checkpoint of another TP/PP/EP layout
-        is an error that names the fix. A checkpoint that cannot be read (an unreadable
+        not resumed: the run starts over and says why. A torch_dist checkpoint of another TP / EP
+        size is resharded to this run's (every shard is described by its global offsets); one of
+        another PP size, or a ``torch.save`` one of another layout, is an error that names the fix. A checkpoint that cannot be read (an unreadable
         ``latest.json``, a truncated or corrupted shard on any rank) is reported by path and set
         aside (``checkpoints.corrupt``): the run starts over.
         """
@@ -193,7 +194,14 @@ class CheckpointStore:
             )
             return None
         here = (self.par.tp_size, self.par.pp_size, self.par.ep_size)
-        if (meta.get("tp"), meta.get("pp"), meta.get("ep", 1)) != here:
+        there = (meta.get("tp"), meta.get("pp"), meta.get("ep", 1))
+        reshard = self.dist is not None and meta.get("format") == self.format and there[1] == here[1]
+        if there != here and reshard:  # torch_dist describes every shard: read it at this run's TP / EP
+            log(
+                f"distill: checkpoint {self.root} was written with TP={there[0]} EP={there[2]}; resharding it "
+                f"to TP={here[0]} EP={here[2]} (the RNG states of the other layout are not restored)"
+            )
+        elif there != here:
             raise ValueError(
                 f"distill checkpoint {self.root} was written with TP={meta.get('tp')} PP={meta.get('pp')} "
                 f"EP={meta.get('ep', 1)}, this run has TP={self.par.tp_size} PP={self.par.pp_size} "
@@ -207,7 +215,8 @@ class CheckpointStore:
             )
             return None
         if self.dist is not None:
-            return self._load_dist(log, self.root / str(meta.get("dir")), rng=meta.get("dp") == self.par.dp_size)
+            same = there == here and meta.get("dp") == self.par.dp_size
+            return self._load_dist(log, self.root / str(meta.get("dir")), rng=same)
         path = self.root / str(meta.get("dir")) / self.shard_name
         state: dict[str, Any] | None = None
         why = ""

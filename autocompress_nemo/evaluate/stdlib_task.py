@@ -32,6 +32,11 @@ def make_items(
         for i in range(context_lines, len(lines))
         if len(lines[i].strip()) > 8
     ]
+    if not candidates:
+        raise ValueError(
+            f"{TASK}: no held-out document is longer than {context_lines} lines, so no item has a context; "
+            "add longer held-out documents, or leave the task out (evaluate.lm_eval_tasks=[])"
+        )
     rng.shuffle(candidates)
     items = []
     for d, i in candidates[:n_items]:

@@ -6,19 +6,20 @@
 
 The shape comes back as an ``ArchSpec`` (the same readers the loaders use, so the config and the
 loaded weights cannot disagree) and as the ``cfg.model`` fields that describe it
-(:func:`model_fields`). A model config describes one block shape per kind, so a heterogeneous
-checkpoint (DeciLM ``block_configs``, a Puzzle Nemotron-H, a ``deci`` GGUF with per-layer widths) is
-refused: give its model YAML by hand or load it as a student.
+(:func:`model_fields`). A heterogeneous checkpoint (DeciLM ``block_configs``, a Puzzle Nemotron-H, a
+``deci`` GGUF with per-layer widths, removed blocks) keeps its blocks in ``model.blocks`` (one dict
+per block); the per-kind fields then hold the widest block of each kind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.arch.spec import PATTERN_CHAR, ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
 
 HF_MODEL_TYPES: dict[str, str] = {
     "llama": "llama",
@@ -27,10 +28,14 @@ HF_MODEL_TYPES: dict[str, str] = {
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
     "nemotron_h": "nemotron_h",
+    "nemotron-nas": "llama",
+    "nemotron_h_puzzle": "nemotron_h",
 }
-"""``config.json`` ``model_type`` -> the family whose importer and state-dict adapter read it."""
+"""``config.json`` ``model_type`` -> the family whose importer and state-dict adapter read it
+(``nemotron-nas``: DeciLM ``block_configs``, per-layer heads / KV groups / ffn and no-op blocks;
+``nemotron_h_puzzle``: a Nemotron-H with per-block sizes)."""
 GGUF_ARCHITECTURES = ("llama", "deci")
-"""``general.architecture`` values the GGUF importer reads (``deci``: when every layer is alike)."""
+"""``general.architecture`` values the GGUF importer reads (``deci``: per-layer heads / KV heads / ffn)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 _GGUF_FILE_TYPES = {0: "f32", 1: "f16", 32: "bf16"}
@@ -77,7 +82,7 @@ def hf_spec(directory: str | os.PathLike[str]) -> ArchSpec:
             from autocompress_nemo.models.qwen3_moe.hf_io import spec_from_hf_config as read_moe
 
             spec = read_moe(cfg, name=d.name)
-        elif mt == "nemotron_h":
+        elif mt in ("nemotron_h", "nemotron_h_puzzle"):
             from autocompress_nemo.models.nemotron_h.config import spec_from_hf_config as read_nh
 
             spec = read_nh(cfg, name=d.name)
@@ -168,28 +173,28 @@ def tokenizer_problem(kind: str, path: Path) -> str | None:
 
 
 def model_fields(spec: ArchSpec) -> dict[str, Any]:
-    """The ``cfg.model`` shape fields of a parent whose blocks of each kind are alike.
+    """The ``cfg.model`` shape fields of a parent.
 
-    Raises :class:`ModelFileError` for a heterogeneous one (a model config holds one shape per kind).
+    A uniform parent (every block of a kind alike, none removed) is described by the per-kind fields
+    alone (``blocks`` empty). A heterogeneous one also gets ``blocks``, its blocks in ``ArchSpec``'s
+    dict form, and the per-kind fields hold the widest block of each kind (what validation and the
+    planner read); ``config/from_config.spec_from_model_config`` builds the parent from ``blocks``.
     """
-    if not spec.is_uniform():
-        raise ModelFileError(
-            f"{spec.name}: its layers differ (per-layer heads / widths, or removed blocks), and a model config "
-            "describes one shape per block kind; write its model YAML by hand for the uniform part, or use a "
-            "uniform parent"
-        )
 
-    def first(cls: type) -> Any:
-        return next((b for b in spec.blocks if isinstance(b, cls)), None)
+    def widest(cls: type) -> Any:
+        alive = [b for b in spec.blocks if isinstance(b, cls) and not b.removed]
+        if not alive:
+            return next((b for b in spec.blocks if isinstance(b, cls)), None)
+        return max(alive, key=lambda b: tuple(v for v in dataclasses.astuple(b) if isinstance(v, int)))
 
-    att, mlp, moe, mamba = first(AttentionBlock), first(MlpBlock), first(MoeBlock), first(MambaBlock)
+    att, mlp, moe, mamba = widest(AttentionBlock), widest(MlpBlock), widest(MoeBlock), widest(MambaBlock)
     dense = spec.is_dense_layered() and spec.family in ("llama", "qwen2", "qwen3")
     out: dict[str, Any] = {
         "family": spec.family,
         "hidden": spec.hidden,
         "vocab": spec.vocab,
         "num_layers": spec.num_layers if dense else 0,
-        "pattern": "" if dense else spec.pattern,
+        "pattern": "" if dense else "".join(PATTERN_CHAR[b.kind] for b in spec.blocks),
         "heads": att.num_heads if att else 0,
         "kv_groups": att.num_kv_groups if att else 0,
         "head_dim": att.head_dim if att else 0,
@@ -209,6 +214,7 @@ def model_fields(spec: ArchSpec) -> dict[str, Any]:
         "norm_eps": float(spec.norm_eps),
         "rope_theta": float(spec.rope_theta),
         "max_position": spec.max_position,
+        "blocks": [] if spec.is_uniform() else spec.to_dict()["blocks"],
     }
     return out
 

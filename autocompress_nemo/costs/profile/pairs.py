@@ -79,17 +79,26 @@ class Plan:
         return out
 
 
+def frame_layer(parent: ArchSpec) -> Layer:
+    """The full layer that frames every profiling model: the parent's layer when its layers are
+    alike; for a heterogeneous parent (per-layer widths, removed blocks) its widest attention and
+    widest mlp (the options of every layer are profiled between them, ``dense_options``)."""
+    layers = parent.layers()
+    attns = [a for a, _ in layers if not a.removed] or [layers[0][0]]
+    mlps = [m for _, m in layers if not m.removed] or [layers[0][1]]
+    return (
+        max(attns, key=lambda a: (a.num_heads, a.num_kv_groups)),
+        max(mlps, key=lambda m: m.ffn),
+    )
+
+
 def make_plan(parent: ArchSpec, caps: Any, ffn_points: int, k1: int = 0, k2: int | None = None) -> Plan:
-    """The pair design's models for a uniform ``parent`` over the search's options (``caps``: the
-    capabilities the search runs under; ``ffn_points``: ``search.ffn_options``)."""
+    """The pair design's models for a Llama-style ``parent`` over the search's options (``caps``: the
+    capabilities the search runs under; ``ffn_points``: ``search.ffn_options``): every block's
+    options, each profiled between two copies of :func:`frame_layer`."""
     caps = capabilities_of(caps)
     layers = parent.layers()
-    a_p, m_p = layers[0]
-    if any(layer != (a_p, m_p) for layer in layers):
-        raise ValueError(
-            "profiling needs a uniform parent (every layer the same shape); "
-            f"got {parent.name or 'a heterogeneous parent'}"
-        )
+    a_p, m_p = frame_layer(parent)
     attns, ffns = dense_options(parent, caps, ffn_points)
     removed_attn = AttentionBlock(0, 0, a_p.head_dim)
     empty = (removed_attn, MlpBlock(0, m_p.activation)) if caps.remove_attention and caps.remove_mlp else None

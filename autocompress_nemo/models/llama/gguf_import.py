@@ -140,8 +140,19 @@ def load_gguf(path: str | os.PathLike[str], tokenizer: bool = True) -> tuple[Arc
 
 
 def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Any:
-    """The Hugging Face tokenizer stored in a GGUF file."""
-    from transformers import AutoTokenizer
+    """The Hugging Face tokenizer stored in a GGUF file.
+
+    ``AutoTokenizer`` reads the file's model config first and refuses an architecture transformers
+    has no config for (``deci``: "GGUF model with architecture deci is not supported yet",
+    transformers 5.24); the tokenizer itself is only the ``tokenizer.ggml.*`` metadata, which
+    ``PreTrainedTokenizerFast`` reads for any architecture (the same ids as ``AutoTokenizer`` on a
+    ``llama`` file with the same vocabulary: ``tests/test_own_model_e2e.py``)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     p = Path(path)
-    return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    try:
+        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    except ValueError as e:
+        if "architecture" not in str(e) and "Unrecognized model" not in str(e):
+            raise
+        return PreTrainedTokenizerFast.from_pretrained(str(p.parent), gguf_file=p.name)
