@@ -291,6 +291,15 @@ def _check_search(c: dict, m: dict, t: dict) -> list[str]:
     p: list[str] = []
     if s.get("method") not in ("autocompress", "minitron_pp"):
         p.append(f"search.method={s.get('method')!r} is unknown; use autocompress or minitron_pp")
+    stages = [str(x) for x in c.get("stages") or []]
+    if s.get("method") == "autocompress" and m.get("family") in ("qwen2", "qwen3") and "extract" in stages:
+        # arch/convert.hf_config_from_spec: DeciLM block_configs carry no qkv bias / q-k norms
+        p.append(
+            f"model {m.get('name')} is {m.get('family')} (q/k/v biases or q/k norms): an AutoCompress student's "
+            "per-layer widths have no Hugging Face format for it (DeciLM block_configs carry neither), so it "
+            "could not be extracted; use search=minitron_pp (one width for all layers, written as "
+            f"{m.get('family')}), or stop before extract (stages=[profile,validate,rank,search])"
+        )
     for key in (
         "steps",
         "batch_size",
