@@ -31,11 +31,16 @@ def _spec(blocks: tuple, name: str) -> ArchSpec:
 @pytest.fixture(scope="module")
 def parents(tmp_path_factory, smollm2_gguf):
     """``{kind: (model=..., path, spec)}``: the uniform and the heterogeneous tiny parent, each as a
-    Hugging Face directory written by the project's exporter (DeciLM ``nemotron-nas`` config when
-    heterogeneous, ``arch.json`` removed so only what another tool writes is read) and as a GGUF
-    (``llama`` / ``deci``) with the SmolLM2 tokenizer."""
+    Hugging Face directory and as a GGUF (``llama`` / ``deci``, written by ``export/gguf.py``) with
+    the SmolLM2 tokenizer. The uniform directory is written by transformers' own
+    ``LlamaForCausalLM.save_pretrained``; the heterogeneous one by the project's exporter (DeciLM
+    ``nemotron-nas``, which transformers has no class for), its ``arch.json`` removed so only the
+    ``config.json`` another tool would write is read."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from autocompress_nemo.export.gguf import write_gguf
-    from autocompress_nemo.models.llama import export_hf, load_gguf_tokenizer
+    from autocompress_nemo.models.llama import export_hf, load_gguf_tokenizer, load_hf
     from autocompress_nemo.models.llama.reference import random_hf_state_dict
 
     root = tmp_path_factory.mktemp("own_e2e")
@@ -43,10 +48,28 @@ def parents(tmp_path_factory, smollm2_gguf):
     out = {}
     for shape, blocks in (("uniform", UNIFORM), ("hetero", HETERO)):
         spec = _spec(blocks, f"tiny_{shape}")
-        sd = random_hf_state_dict(spec, seed=3)
-        d = export_hf(spec, sd, root / f"tiny_{shape}_hf", tokenizer=tok)
-        assert d is not None
-        (d / "arch.json").unlink()
+        d = root / f"tiny_{shape}_hf"
+        if shape == "uniform":
+            cfg = LlamaConfig(
+                hidden_size=64,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                intermediate_size=192,
+                vocab_size=SMOLLM2_VOCAB,
+                max_position_embeddings=131072,
+                rms_norm_eps=1e-5,
+                tie_word_embeddings=False,
+            )
+            torch.manual_seed(3)
+            LlamaForCausalLM(cfg).save_pretrained(str(d))
+            tok.save_pretrained(str(d))
+            sd = load_hf(d, tokenizer=False)[1]
+        else:
+            sd = random_hf_state_dict(spec, seed=3)
+            assert export_hf(spec, sd, d, tokenizer=tok) is not None
+            (d / "arch.json").unlink()
         gguf_path = write_gguf(
             spec,
             root / f"tiny_{shape}.gguf",
