@@ -12,9 +12,9 @@ from autocompress_nemo.arch.from_config import spec_from_model_config
 from autocompress_nemo.config.entry import compose
 from autocompress_nemo.config.validate import ConfigError, collect_problems
 from tests.cfg_utils import TINY_ROOFLINE
+from tests.own_model_utils import SMOLLM2_VOCAB, save_pretrained
 
 ROOFLINE = [a for a in TINY_ROOFLINE if not a.startswith("model=")]
-SMOLLM2_VOCAB = 49152
 
 
 @pytest.fixture(scope="module")
@@ -28,26 +28,8 @@ def smollm2_tokenizer(smollm2_gguf):
 def tiny_hf(tmp_path_factory, smollm2_tokenizer):
     """A tiny random LlamaForCausalLM of tiny_llama's shape (SmolLM2's vocabulary), saved by
     transformers' save_pretrained with the SmolLM2 tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     d = tmp_path_factory.mktemp("own") / "tiny_llama_hf"
-    cfg = LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=192,
-        vocab_size=SMOLLM2_VOCAB,
-        max_position_embeddings=131072,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(str(d))
-    smollm2_tokenizer.save_pretrained(str(d))
+    save_pretrained("llama", d, smollm2_tokenizer, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
     return d
 
 

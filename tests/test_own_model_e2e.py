@@ -15,9 +15,9 @@ from autocompress_nemo.blocks import kind_of
 from autocompress_nemo.config.entry import compose
 from autocompress_nemo.config.validate import collect_problems
 from tests.cfg_utils import TINY_ROOFLINE
+from tests.own_model_utils import SMOLLM2_VOCAB, save_pretrained
 
 ROOFLINE = [a for a in TINY_ROOFLINE if not a.startswith("model=")]
-SMOLLM2_VOCAB = 49152
 A, M = AttentionBlock, MlpBlock
 UNIFORM = (A(4, 2, 16), M(192)) * 4
 HETERO = (A(4, 2, 16), M(192), A(4, 1, 16), M(128), A(0, 0, 16), M(160), A(4, 4, 16), M(96))
@@ -36,9 +36,6 @@ def parents(tmp_path_factory, smollm2_gguf):
     ``LlamaForCausalLM.save_pretrained``; the heterogeneous one by the project's exporter (DeciLM
     ``nemotron-nas``, which transformers has no class for), its ``arch.json`` removed so only the
     ``config.json`` another tool would write is read."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from autocompress_nemo.export.gguf import write_gguf
     from autocompress_nemo.models.llama import export_hf, load_gguf_tokenizer, load_hf
     from autocompress_nemo.models.llama.reference import random_hf_state_dict
@@ -50,21 +47,7 @@ def parents(tmp_path_factory, smollm2_gguf):
         spec = _spec(blocks, f"tiny_{shape}")
         d = root / f"tiny_{shape}_hf"
         if shape == "uniform":
-            cfg = LlamaConfig(
-                hidden_size=64,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-                intermediate_size=192,
-                vocab_size=SMOLLM2_VOCAB,
-                max_position_embeddings=131072,
-                rms_norm_eps=1e-5,
-                tie_word_embeddings=False,
-            )
-            torch.manual_seed(3)
-            LlamaForCausalLM(cfg).save_pretrained(str(d))
-            tok.save_pretrained(str(d))
+            save_pretrained("llama", d, tok, seed=3, rms_norm_eps=1e-5, tie_word_embeddings=False)
             sd = load_hf(d, tokenizer=False)[1]
         else:
             sd = random_hf_state_dict(spec, seed=3)
@@ -152,9 +135,6 @@ def other_parents(tmp_path_factory, smollm2_gguf):
     """A Qwen3 directory written by transformers' own ``Qwen3ForCausalLM.save_pretrained`` (q/k norms),
     and a heterogeneous Nemotron-H in the Puzzle format (``nemotron_h_puzzle``: per-block Mamba heads
     and expert widths), each with the SmolLM2 tokenizer."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from autocompress_nemo.arch.spec import MambaBlock, MoeBlock
     from autocompress_nemo.models.hybrid.state_dict import random_hf_state_dict
     from autocompress_nemo.models.llama import load_gguf_tokenizer
@@ -162,21 +142,7 @@ def other_parents(tmp_path_factory, smollm2_gguf):
 
     root = tmp_path_factory.mktemp("own_e2e_other")
     tok = load_gguf_tokenizer(smollm2_gguf)
-    qwen = root / "tiny_qwen3_hf"
-    cfg = Qwen3Config(
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=192,
-        vocab_size=SMOLLM2_VOCAB,
-        max_position_embeddings=131072,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(cfg).save_pretrained(str(qwen))
-    tok.save_pretrained(str(qwen))
+    qwen = save_pretrained("qwen3", root / "tiny_qwen3_hf", tok, tie_word_embeddings=True)
     hybrid = spec_from_model_config(compose(["model=tiny_hybrid", f"model.vocab={SMOLLM2_VOCAB}"]).model)
     blocks = list(hybrid.blocks)
     m = next(i for i, b in enumerate(blocks) if isinstance(b, MambaBlock))
