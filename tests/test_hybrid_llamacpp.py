@@ -3,11 +3,13 @@
 Parity: a heterogeneous student (per-layer query / KV heads, dense ffn or routed-expert widths,
 top-k, removed blocks) is built as the project's Megatron model, exported from that model's own
 weights (``megatron_to_hf``) to GGUF, and run in llama.cpp in a child process; its logits at every
-position match the Megatron model's. F32 weights and F32 KV cache (the F16 cache adds ~1e-3).
+position match the Megatron model's. F32 weights, F32 KV cache (the F16 cache adds ~1e-3) and flash
+attention off (on CPU it adds ~1e-3 too).
 transformers' NemotronH clamps ``dt >= time_step_min`` and llama.cpp does not; the reference here
 is the project's Megatron model, which does not clamp either, and the random weights keep
 ``softplus(dt_bias) >= 0.01`` (``random_hf_state_dict``), so the clamp would be inactive anyway.
-Tolerance 1e-4 on logits of magnitude ~1 (float32, different scan / matmul orders).
+Tolerance 1e-5 on logits of magnitude ~1 (float32, different scan / matmul orders); measured
+7e-7 (nemotron_h_moe) and 1e-6 (nemotron_h).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from hybrid_utils import requires_mamba
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
 
 llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")
-TOL = 1e-4
+TOL = 1e-5
 A, M, E, F = AttentionBlock, MambaBlock, MoeBlock, MlpBlock
 
 

@@ -83,7 +83,10 @@ def gguf_problems(spec: ArchSpec) -> list[str]:
         ("routed-expert count", {b.num_experts for _, b in moes}),
         ("shared-expert width", {b.shared_ffn for _, b in moes}),
         ("LatentMoE size", {b.latent for _, b in moes}),
-        ("Mamba shape (heads, head dim, state, groups, conv kernel)", {_mamba_key(b) for b in c.blocks if isinstance(b, MambaBlock)}),
+        (
+            "Mamba shape (heads, head dim, state, groups, conv kernel)",
+            {_mamba_key(b) for b in c.blocks if isinstance(b, MambaBlock)},
+        ),
         ("attention head dim", {b.head_dim for b in c.blocks if isinstance(b, AttentionBlock)}),
     ):
         if len(vals) > 1:
@@ -163,7 +166,9 @@ def write_hybrid_gguf(
 
     problems = gguf_problems(spec)
     if problems:
-        raise ValueError(f"llama.cpp cannot serve {spec.name or 'this hybrid'} as nemotron_h GGUF: " + "; ".join(problems))
+        raise ValueError(
+            f"llama.cpp cannot serve {spec.name or 'this hybrid'} as nemotron_h GGUF: " + "; ".join(problems)
+        )
     if dtype not in _FTYPE:
         raise ValueError(f"write_hybrid_gguf: dtype {dtype!r} not supported; use one of {sorted(_FTYPE)}")
     sd = weights if weights is not None else random_hf_state_dict(spec, seed=seed)
