@@ -251,6 +251,12 @@ def write_gguf(
             elif part == "k" and weights is not None:
                 arr = rope_permute(get(hf), a.num_kv_groups)
             put(f"blk.{i}.{_GGUF_PART[part]}.weight", hf, arr)
+    return finish_gguf(w, tmp, path)
+
+
+def finish_gguf(w: Any, tmp: Path, path: Path) -> Path:
+    """Write a ``GGUFWriter``'s header, metadata and tensors to ``tmp``, then rename it to ``path``
+    (a killed writer never leaves a half file under the final name)."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -159,7 +159,7 @@ def write_hybrid_gguf(
     import gguf
     import torch
 
-    from autocompress_nemo.export.gguf import _copy_tokenizer, smollm2_gguf_path
+    from autocompress_nemo.export.gguf import _copy_tokenizer, finish_gguf, smollm2_gguf_path
     from autocompress_nemo.models.hybrid.names import NEMOTRON_H
     from autocompress_nemo.models.hybrid.state_dict import random_hf_state_dict
     from autocompress_nemo.models.nemotron_h.hf_io import compact_state_dict
@@ -258,9 +258,4 @@ def write_hybrid_gguf(
             if b.latent:
                 put(p + "ffn_latent_down.weight", arr(n.key(i, "latent_down")))
                 put(p + "ffn_latent_up.weight", arr(n.key(i, "latent_up")))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tmp.replace(path)
-    return path
+    return finish_gguf(w, tmp, path)
