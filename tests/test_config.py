@@ -31,14 +31,21 @@ MAX_POSITION = {"smollm2_135m": 8192, "nemotron_h_8b": 8192, "qwen3_30b_a3b": 40
 CONTEXT = {"b200_128k": 131072, "rtx5080_coding": 32768}
 
 
+LLAMA_CPP_HYBRID_TARGETS = {"tiny_hybrid_cpu", "small_hybrid_cpu", "cpu_hybrid_chat"}
+LLAMA_CPP_HYBRIDS = {"nemotron_h_8b", "nemotron3_nano", "nemotron_super", "tiny_hybrid_moe", "small_hybrid", "stdlib_hybrid"}
+"""Hybrids llama.cpp's nemotron_h serves: an attention and a Mamba block, no dense MLP next to MoE."""
+
+
 def expected_rejection(target: str, model: str) -> list[str]:
     """The message fragments validate must give for this combination ([] = must validate)."""
     out = []
     if target in LLAMA_CPP_TARGETS and model not in DENSE_LLAMA:
         out.append(f"engine llama_cpp (target {target}) cannot serve")
+    if target in LLAMA_CPP_HYBRID_TARGETS and model not in LLAMA_CPP_HYBRIDS:
+        out.append(f"engine llama_cpp (target {target}) cannot serve model {model}")
     if CONTEXT.get(target, 0) > MAX_POSITION.get(model, 10**9):
         out.append(f"exceeds model {model}'s max_position")
-    if target == "h100x8_serving" and model in {"smollm2_135m", "tiny_llama", "tiny_moe", "tiny_hybrid"}:
+    if target == "h100x8_serving" and model in {"smollm2_135m", "tiny_llama", "tiny_moe", "tiny_hybrid", "tiny_hybrid_moe"}:
         out.append("target.engine.tensor_parallel=8 (target h100x8_serving) does not divide model.heads")
     return out
 
@@ -268,7 +275,9 @@ def test_tp_not_dividing_experts_and_serving_tp():
 
 def test_engine_cannot_serve_block_kinds():
     msg = _error(["+target=cpu_chat", "model=qwen3_30b_a3b", "dry_run=true"])
-    assert "engine llama_cpp (target cpu_chat) cannot serve moe blocks" in msg
+    assert "engine llama_cpp (target cpu_chat) cannot serve model qwen3_30b_a3b" in msg
+    assert "it runs no moe blocks (it serves attention, mlp)" in msg
+    # llama.cpp's nemotron_h serves MoE blocks, but needs a Mamba block: not offered for this model
     assert "Engines that can: roofline, torch_eager_cpu, trtllm, vllm" in msg
 
 

@@ -133,7 +133,7 @@ def test_mamba_state_is_constant_in_context_kv_is_linear() -> None:
 def _eager_target(batch: int, context: int) -> TargetConfig:
     from autocompress_nemo.config.entry import compose
 
-    cfg = compose(["+target=tiny_hybrid_cpu", "model=tiny_hybrid"])
+    cfg = compose(["+target=tiny_hybrid_eager_cpu", "model=tiny_hybrid"])
     t = cfg.target
     t.workload.batch, t.workload.input_len, t.workload.output_len, t.workload.context_len = batch, 8, 4, context
     t.engine.settings.decode_steps, t.engine.settings.decode_warmup, t.engine.repeats = 2, 1, 1

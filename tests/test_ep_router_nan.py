@@ -33,7 +33,7 @@ from hybrid_utils import requires_mamba
 pytestmark = [requires_mamba]
 
 EXP_LIMIT = math.log(torch.finfo(torch.float32).max)  # ~88.72
-OVERRIDES = ["model=tiny_hybrid", "+target=tiny_hybrid_cpu", "search=quick"]
+OVERRIDES = ["model=tiny_hybrid", "+target=tiny_hybrid_eager_cpu", "search=quick"]
 SEARCH = dict(
     steps=3,
     router_lr=0.3,

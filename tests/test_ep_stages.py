@@ -2,7 +2,7 @@
 the same rank scores and permutations, router-search choices and distilled weights as EP=1.
 
 One spawned EP=2 run (``_stages``) and the same function at EP=1 in this process go through the
-stages of a run composed like the pipeline's (``model=tiny_hybrid +target=tiny_hybrid_cpu
+stages of a run composed like the pipeline's (``model=tiny_hybrid +target=tiny_hybrid_eager_cpu
 cluster.ep=2``: ``M*EME-``, 4 routed experts top-2, shared expert; the stdlib token data), through
 ``pipeline.Run.stage`` (rank 0 writes each artifact) and ``Context``:
 
@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.distributed, requires_mamba]
 
 OVERRIDES = [
     "model=tiny_hybrid",
-    "+target=tiny_hybrid_cpu",
+    "+target=tiny_hybrid_eager_cpu",
     "search=quick",
     "search.calib_sequences=4",
     "search.batch_size=2",
@@ -333,7 +333,7 @@ def test_search_space_under_ep_keeps_multiples_of_ep_experts() -> None:
     from autocompress_nemo.stages import common as stages
 
     def counts(extra: list[str]) -> set[int]:
-        cfg = compose(["model=tiny_hybrid", "+target=tiny_hybrid_cpu", *extra])
+        cfg = compose(["model=tiny_hybrid", "+target=tiny_hybrid_eager_cpu", *extra])
         spec = spec_from_model_config(cfg.model)
         return {
             o.num_experts

@@ -56,8 +56,9 @@ def test_hybrid_mamba_weights_and_state() -> None:
         "M*-M", hidden=64, vocab=100, attention=AttentionBlock(4, 2, 16), mlp=MlpBlock(128, "relu2"), mamba=m
     )
     # in_proj 64*(2*64 + 2*8 + 4) = 9472; conv (64+16)*5 = 400; 3*4 = 12; gated norm 64;
-    # out_proj 64*64 = 4096; norm 64 -> 14108; small (f32): 64 + 64 + 12 + 80 = 220
-    assert mem.block_weight_bytes(m, 64, "bf16") == (14108 - 220) * 2 + 220 * 4
+    # out_proj 64*64 = 4096; norm 64 -> 14108; small (f32): 64 + 64 + 12 + 80 (conv bias) + 320 (conv
+    # weight: llama.cpp's ssm_conv takes an F32 weight only) = 540
+    assert mem.block_weight_bytes(m, 64, "bf16") == (14108 - 540) * 2 + 540 * 4
     # state per sequence: (4*16*8 + 80*3) * 4 B = 3008; 2 mamba blocks, batch 3
     assert mem.ssm_state_bytes(spec, 3, "f32") == 2 * 3008 * 3
     assert mem.block_state_bytes(m, 3, "f32") == 3008 * 3
@@ -66,7 +67,7 @@ def test_hybrid_mamba_weights_and_state() -> None:
     # relu2 mlp is not gated: 2*64*128 + norm
     assert mem.block_weight_bytes(spec.blocks[2], 64, "f16") == 2 * 64 * 128 * 2 + 64 * 4
     total = mem.block_memory_bytes(m, 64, dtype="bf16", kv_dtype="bf16", context=1000, batch=3)
-    assert total == (14108 - 220) * 2 + 220 * 4 + 3008 * 3
+    assert total == (14108 - 540) * 2 + 540 * 4 + 3008 * 3
 
 
 def test_removed_blocks_cost_nothing() -> None:

@@ -53,7 +53,7 @@ def test_hybrid_profiled_options_are_the_searchs_under_the_runs_layout(tmp_path)
     from autocompress_nemo.costs.table import CostTable, _block_key
     from autocompress_nemo.profile.stage import run_profile
 
-    over = ["model=tiny_hybrid", "+target=tiny_hybrid_cpu", "engine@target.engine=roofline"]
+    over = ["model=tiny_hybrid", "+target=tiny_hybrid_eager_cpu", "engine@target.engine=roofline"]
     over += ["hardware@target.hardware=b200", f"run_dir={tmp_path}"]
     for ep in (1, 2):
         cfg = compose([*over, f"cluster.ep={ep}"])
@@ -131,6 +131,6 @@ def test_profile_settings_are_checked_against_the_engine_settings() -> None:
 
 
 def test_search_capabilities_align_experts_to_ep() -> None:
-    base = ["model=tiny_hybrid", "+target=tiny_hybrid_cpu"]
+    base = ["model=tiny_hybrid", "+target=tiny_hybrid_eager_cpu"]
     assert search_capabilities(compose(base)).expert_align == 1
     assert search_capabilities(compose([*base, "cluster.ep=2"])).expert_align == 2

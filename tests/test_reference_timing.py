@@ -145,7 +145,7 @@ def test_torch_eager_times_hybrids_against_the_reference():
     from autocompress_nemo.costs.engines.base import Workload
     from autocompress_nemo.profile.stage import parent_spec
 
-    cfg = compose(["+target=tiny_hybrid_cpu", "model=tiny_hybrid"])
+    cfg = compose(["+target=tiny_hybrid_eager_cpu", "model=tiny_hybrid"])
     t = cfg.target
     t.workload.batch, t.workload.input_len, t.workload.output_len, t.workload.context_len = 1, 8, 4, 32
     t.engine.settings.decode_steps, t.engine.settings.decode_warmup, t.engine.repeats = 8, 1, 2

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock
-from autocompress_nemo.blocks.base import Decision, Grid, Key, Kind, Role, Scores, need
+from autocompress_nemo.blocks.base import Decision, Grid, Key, Kind, Role, Scores, must_keep, need
 from autocompress_nemo.rank.permute import check_grouped, grouped_order, permute_heads
 
 
@@ -53,7 +53,7 @@ class Attention(Kind):
     decision_kinds = ("attention",)
 
     def decisions(self, spec: ArchSpec, i: int, block: AttentionBlock, caps: Any, grid: Grid) -> list[Decision]:
-        allow = caps.remove_attention and not (i == 0 and caps.first_block_full)
+        allow = caps.remove_attention and not (i == 0 and caps.first_block_full) and not must_keep(spec, i, caps)
         opts = attention_options(block, caps, allow)
         return [Decision(i, "attention", tuple(opts))] if len(opts) > 1 else []
 

@@ -190,6 +190,15 @@ class Kind(ABC):
         return t[tuple(slice(0, n) for n in shape)]
 
 
+def must_keep(spec: ArchSpec, i: int, caps: Any) -> bool:
+    """Whether block ``i`` may not be removed because the engine needs a block of its kind
+    (``caps.keep_first_of``): the first kept block of such a kind stays."""
+    kind = spec.blocks[i].kind
+    if kind not in (getattr(caps, "keep_first_of", None) or ()):
+        return False
+    return next(j for j, b in enumerate(spec.blocks) if b.kind == kind and not b.removed) == i
+
+
 def ffn_params(hidden: int, ffn: int, gated: bool) -> int:
     """One feed-forward network without norm: ``(3 if gated else 2) * h * F``."""
     return (3 if gated else 2) * hidden * ffn

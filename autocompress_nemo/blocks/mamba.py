@@ -12,16 +12,17 @@ from typing import Any
 import torch
 
 from autocompress_nemo.arch.spec import ArchSpec, MambaBlock
-from autocompress_nemo.blocks.base import Decision, Grid, Key, Kind, Role, Scores, need, prefix_rows
+from autocompress_nemo.blocks.base import Decision, Grid, Key, Kind, Role, Scores, must_keep, need, prefix_rows
 from autocompress_nemo.rank.permute import check_grouped, cols, grouped_order, rows
 
 
-def mamba_options(parent: MambaBlock, caps: Any) -> list[MambaBlock]:
-    """Whole groups: ``G' * H/G`` heads for ``G' = 1..G`` (0 when ``remove_mamba``)."""
+def mamba_options(parent: MambaBlock, caps: Any, allow_remove: bool | None = None) -> list[MambaBlock]:
+    """Whole groups: ``G' * H/G`` heads for ``G' = 1..G`` (0 when ``allow_remove``, by default
+    ``remove_mamba``)."""
     hpg = parent.num_heads // parent.num_groups
     groups = range(1, parent.num_groups + 1) if caps.vary_mamba_heads else [parent.num_groups]
     opts = [dataclasses.replace(parent, num_heads=g * hpg, num_groups=g) for g in groups]
-    if caps.remove_mamba:
+    if caps.remove_mamba if allow_remove is None else allow_remove:
         opts.insert(0, dataclasses.replace(parent, num_heads=0))
     return opts
 
@@ -42,7 +43,7 @@ class Mamba(Kind):
     decision_kinds = ("mamba",)
 
     def decisions(self, spec: ArchSpec, i: int, block: MambaBlock, caps: Any, grid: Grid) -> list[Decision]:
-        opts = mamba_options(block, caps)
+        opts = mamba_options(block, caps, caps.remove_mamba and not must_keep(spec, i, caps))
         return [Decision(i, "mamba", tuple(opts))] if len(opts) > 1 else []
 
     def masks(self, d: Decision, parent_block: MambaBlock) -> dict[str, torch.Tensor]:
@@ -166,8 +167,9 @@ class Mamba(Kind):
         )
 
     def small_params(self, b: MambaBlock, hidden: int) -> int:
-        """``h + Hm*Pm (gated norm) + 3*Hm (dt_bias, A_log, D) + conv_dim (conv bias)``."""
-        return hidden + b.d_inner + 3 * b.num_heads + conv_dim(b)
+        """``h + Hm*Pm (gated norm) + 3*Hm (dt_bias, A_log, D) + conv_dim*(K+1) (conv weight and
+        bias: llama.cpp's ssm_conv takes an F32 weight only)``."""
+        return hidden + b.d_inner + 3 * b.num_heads + conv_dim(b) * (b.conv_kernel + 1)
 
     def state_elements(self, b: MambaBlock, conv_extra: int = 0) -> int:
         """``Hm*Pm*N`` (SSM state) + ``conv_dim*(K-1+e)`` (conv state)."""

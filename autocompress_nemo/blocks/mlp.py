@@ -19,6 +19,7 @@ from autocompress_nemo.blocks.base import (
     Scores,
     ffn_params,
     levels,
+    must_keep,
     need,
     prefix_rows,
 )
@@ -42,6 +43,7 @@ class Mlp(Kind):
             caps.remove_mlp
             and not (i == len(spec.blocks) - 1 and caps.last_block_full)
             and not caps.attention_needs_ffn
+            and not must_keep(spec, i, caps)
         )
         if caps.vary_ffn:
             widths = ffn_widths(block.ffn, grid.ffn_options, caps.ffn_align, allow)

@@ -60,6 +60,13 @@ class EngineCapabilities:
     """The last layer must keep its ffn (llama.cpp deci crashes otherwise)."""
     attention_needs_ffn: bool = False
     """A layer with attention but no ffn is mis-computed (llama.cpp deci)."""
+    keep_first_of: list[str] = field(default_factory=list)
+    """Block kinds of which the model must keep at least one: the parent's first block of each kind
+    is never removed (llama.cpp ``nemotron_h``: with no attention or no Mamba block left it aborts
+    on a zero-size cache, ``GGML_ASSERT(buffer)``), and a model without one is not served."""
+    mlp_with_moe: bool = True
+    """A dense MLP block may sit in a model with MoE blocks (llama.cpp ``nemotron_h_moe`` reads every
+    feed-forward layer as MoE and refuses a dense ``-`` layer)."""
 
 
 @dataclass

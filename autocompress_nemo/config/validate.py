@@ -16,7 +16,7 @@ from autocompress_nemo.config import resolve
 from autocompress_nemo.config.family import check_budgets
 
 STAGES = ("profile", "validate", "rank", "search", "extract", "distill", "evaluate", "export")
-SOURCE_KINDS = ("gguf", "hf", "package", "random", "none")
+SOURCE_KINDS = ("gguf", "hf", "package", "pretrained", "random", "none")
 BLOCK_KINDS = ("attention", "mlp", "moe", "mamba")
 GPU_ONLY_ENGINES = ("trtllm", "vllm")
 
@@ -32,29 +32,39 @@ class ConfigError(ValueError):
         )
 
 
-def validate(cfg: Any) -> None:
-    """Raise :class:`ConfigError` listing every problem of ``cfg`` (a composed ``RunConfig``)."""
-    problems = collect_problems(cfg)
+def validate(cfg: Any, building_parent: bool = False) -> None:
+    """Raise :class:`ConfigError` listing every problem of ``cfg`` (a composed ``RunConfig``).
+    ``building_parent``: the command that pretrains a ``pretrained`` parent (``pretrain/``), which reads
+    only the model and data sections and is about to write the parent's weights: only those sections
+    are checked, and the weights' absence is no problem."""
+    problems = collect_problems(cfg, building_parent)
     if problems:
         raise ConfigError(problems)
 
 
-def collect_problems(cfg: Any) -> list[str]:
+def collect_problems(cfg: Any, building_parent: bool = False) -> list[str]:
     """Every problem of ``cfg`` as one message each (empty when valid)."""
     c, problems = _plain(cfg)
     model, target = c.get("model") or {}, c.get("target") or {}
-    for check in (
-        _check_model,
-        _check_target,
-        _check_fit,
-        _check_search,
-        _check_distill,
-        _check_data,
-        _check_cluster,
-        _check_run,
-        _check_unknown_keys,
-        _check_lengths,
-    ):
+    if not building_parent and not c.get("dry_run"):
+        problems += _pretrained_missing(model)
+    checks = (
+        (_check_model, _check_data, _check_unknown_keys)
+        if building_parent
+        else (
+            _check_model,
+            _check_target,
+            _check_fit,
+            _check_search,
+            _check_distill,
+            _check_data,
+            _check_cluster,
+            _check_run,
+            _check_unknown_keys,
+            _check_lengths,
+        )
+    )
+    for check in checks:
         try:
             problems += check(c, model, target)
         except Exception as e:  # a check tripping over an earlier problem must not hide the others
@@ -100,6 +110,8 @@ def _check_model(c: dict, m: dict, t: dict) -> list[str]:
     kind = src.get("kind")
     if kind not in SOURCE_KINDS:
         p.append(f"model.source.kind={kind!r} is unknown; use one of {', '.join(SOURCE_KINDS)}")
+    elif kind == "pretrained":
+        p += _pretrained_problems(m)
     elif not c.get("dry_run"):
         from autocompress_nemo.config.files import weight_problems
 
@@ -139,6 +151,35 @@ def _check_model(c: dict, m: dict, t: dict) -> list[str]:
 
 
 _KIND_NAME = {"*": "attention", "-": "mlp", "E": "moe", "M": "mamba"}
+
+
+def _pretrained_problems(m: dict[str, Any]) -> list[str]:
+    """A ``pretrained`` source: known recipe entries, and a data config the recipe names that exists."""
+    from autocompress_nemo.pretrain.cache import DEFAULTS, recipe_data, recipe_of
+
+    given = (m.get("source") or {}).get("pretrain") or {}
+    unknown = sorted(set(given) - set(DEFAULTS))
+    if unknown:
+        return [f"model.source.pretrain has unknown entries {unknown}; its entries are {', '.join(DEFAULTS)}"]
+    try:
+        recipe_data(recipe_of(m))
+    except ValueError as e:
+        return [str(e)]
+    return []
+
+
+def _pretrained_missing(m: dict[str, Any]) -> list[str]:
+    """A ``pretrained`` parent that is not built yet: one problem naming the command that builds it
+    and how long it takes (not checked by that command itself, nor by dry runs)."""
+    if (m.get("source") or {}).get("kind") != "pretrained" or _pretrained_problems(m):
+        return []
+    from autocompress_nemo.pretrain.cache import is_complete, missing_message
+
+    try:
+        built = is_complete(resolve.pretrained_dir(m))
+    except Exception:  # noqa: BLE001 - a shape that cannot be hashed is reported by the model check
+        return []
+    return [] if built else [missing_message(m)]
 
 
 # -- target ----------------------------------------------------------------------------------------
@@ -242,14 +283,14 @@ def _check_fit(c: dict, m: dict, t: dict) -> list[str]:
     eng, wl = t.get("engine") or {}, t.get("workload") or {}
     pattern = m.get("pattern") or ""
     kinds = {_KIND_NAME[ch] for ch in pattern if ch in _KIND_NAME} if pattern else {"attention", "mlp"}
-    served = set((eng.get("capabilities") or {}).get("block_kinds") or [])
-    lacking = sorted(kinds - served)
-    if lacking:
-        able = [e for e in resolve.available("engine") if kinds <= set(_engine_kinds(e))]
+    why = _structure_problems(kinds, eng.get("capabilities") or {})
+    if why:
+        able = [e for e in resolve.available("engine") if not _structure_problems(kinds, _engine_caps(e))]
         p.append(
-            f"engine {eng.get('name')} (target {t['name']}) cannot serve {', '.join(lacking)} blocks, "
-            f"which model {m['name']} has ({', '.join(sorted(kinds))}); it serves {', '.join(sorted(served)) or 'nothing'}. "
+            f"engine {eng.get('name')} (target {t['name']}) cannot serve model {m['name']} "
+            f"({', '.join(sorted(kinds))} blocks): {'; '.join(why)}. "
             f"Engines that can: {', '.join(able) or 'none'}; pick a target that uses one, or another model"
+            + (f" (targets: {', '.join(targets)})" if (targets := _targets_using(able)) else "")
         )
     ctx, maxpos = wl.get("context_len"), m.get("max_position")
     if isinstance(ctx, int) and isinstance(maxpos, int) and maxpos > 0 and ctx > maxpos:
@@ -276,11 +317,42 @@ def _check_fit(c: dict, m: dict, t: dict) -> list[str]:
     return p
 
 
-def _engine_kinds(name: str) -> list[str]:
+def _structure_problems(kinds: set[str], caps: Any) -> list[str]:
+    """Why an engine with capabilities ``caps`` cannot serve a model made of blocks of ``kinds``:
+    kinds it does not run, a kind it needs one block of (``keep_first_of``), a dense MLP next to MoE
+    blocks (``mlp_with_moe``)."""
+    served = set(caps.get("block_kinds") or [])
+    out = []
+    lacking = sorted(kinds - served)
+    if lacking:
+        out.append(f"it runs no {', '.join(lacking)} blocks (it serves {', '.join(sorted(served)) or 'nothing'})")
+    missing = [k for k in caps.get("keep_first_of") or [] if k not in kinds]
+    if missing:
+        out.append(f"it needs at least one {' and one '.join(missing)} block")
+    if not caps.get("mlp_with_moe", True) and {"mlp", "moe"} <= kinds:
+        out.append("it serves no dense MLP block next to MoE blocks (llama.cpp nemotron_h_moe)")
+    return out
+
+
+def _engine_caps(name: str) -> dict[str, Any]:
     try:
-        return list(OmegaConf.load(resolve.CONF_DIR / "engine" / f"{name}.yaml").capabilities.block_kinds)
+        caps = OmegaConf.to_container(OmegaConf.load(resolve.CONF_DIR / "engine" / f"{name}.yaml").capabilities)
     except Exception:
-        return []
+        return {}
+    return caps if isinstance(caps, dict) else {}
+
+
+def _targets_using(engines: list[str]) -> list[str]:
+    """Shipped targets whose engine is one of ``engines`` (``/engine@engine: <name>`` in their defaults)."""
+    out = []
+    for t in resolve.available("target"):
+        try:
+            defaults = OmegaConf.to_container(OmegaConf.load(resolve.CONF_DIR / "target" / f"{t}.yaml")).get("defaults")
+        except Exception:
+            continue
+        if any(isinstance(d, dict) and d.get("/engine@engine") in engines for d in defaults or []):
+            out.append(t)
+    return out
 
 
 # -- method, data, cluster, run ------------------------------------------------------------------

@@ -191,13 +191,17 @@ class CostTable:
         )
 
     def compute_bytes(self, spec: ArchSpec) -> float:
-        """Workspace (llama.cpp compute buffer) of ``spec``: the midpoint of the probed range when it
-        is within ``compute_band`` of constant; otherwise the largest memory-probe value among
+        """Workspace (llama.cpp compute buffer) of ``spec``: the median of the profiling runs' values
+        (hybrid tables; the midpoint of the probed range in older ones) when the range is within
+        ``compute_band`` of constant; otherwise the largest memory-probe value among
         the options it uses (the peak follows its widest layer), at least the floor probe's.
         An unprofiled width takes the probe of the nearest wider profiled option of its kind."""
         rng = self.memory.get("compute_range")
         if rng and rng[1] > 0 and (rng[1] - rng[0]) <= float(self.memory.get("compute_band", 0.1)) * rng[1]:
-            return 0.5 * (float(rng[0]) + float(rng[1]))  # constant up to allocator effects: the midpoint
+            # constant up to allocator effects: the median over the profiling runs where the table has
+            # it (a few runs' buffers come out larger; the rest share one value), else the midpoint
+            typical = self.memory.get("compute_median_bytes")
+            return float(typical) if typical else 0.5 * (float(rng[0]) + float(rng[1]))
         best = float(self.memory.get("compute_base_bytes", 0.0))
         per = [(block_from_dict(e["block"]), float(e["bytes"])) for e in self.memory.get("compute_bytes", [])]
         for b in spec.blocks:

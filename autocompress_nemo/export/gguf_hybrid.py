@@ -50,6 +50,12 @@ def _compact(spec: ArchSpec) -> ArchSpec:
     return export_spec(spec)[0]
 
 
+def is_hybrid(spec: ArchSpec) -> bool:
+    """A Nemotron-H hybrid, written as ``nemotron_h`` / ``nemotron_h_moe`` GGUF here; anything else is
+    a Llama-family layer stack, written as ``llama`` / ``deci`` (``export/gguf.py``)."""
+    return spec.family == "nemotron_h" or not spec.is_dense_layered()
+
+
 def gguf_arch(spec: ArchSpec) -> str:
     """``nemotron_h_moe`` when ``spec`` keeps a MoE block with routed experts, else ``nemotron_h``."""
     return "nemotron_h_moe" if any(isinstance(b, MoeBlock) for b in _compact(spec).blocks) else "nemotron_h"
@@ -154,7 +160,8 @@ def write_hybrid_gguf(
 
     ``weights``: a Nemotron-H-named state dict of ``spec`` (``models/hybrid/names.py``, e.g.
     ``megatron_to_hf`` of the Megatron model); random weights (``random_hf_state_dict(seed)``) when
-    None. ``dtype``: f32 or f16 matrices (norms, biases, Mamba vectors stay F32). Raises ValueError
+    None. ``dtype``: f32 or f16 matrices (norms, biases and every Mamba tensor but ``ssm_in`` /
+    ``ssm_out`` stay F32: conv weight, A, D, gated norm). Raises ValueError
     naming every problem of ``gguf_problems`` before anything is written."""
     import gguf
     import torch
@@ -219,9 +226,11 @@ def write_hybrid_gguf(
             w.add_moe_latent_size(moe.latent)
     _copy_tokenizer(w, Path(tokenizer_from) if tokenizer_from else smollm2_gguf_path(), spec.vocab)
 
-    def put(name: str, a: np.ndarray) -> None:
+    def put(name: str, a: np.ndarray, f32: bool = False) -> None:
+        """Matrices in ``dtype``; vectors and ``f32`` tensors in F32 (llama.cpp's ``ssm_conv`` asserts
+        an F32 conv weight: an F16 one aborts, measured with llama-cpp-python 0.3.36)."""
         a = np.ascontiguousarray(a, dtype=np.float32)
-        w.add_tensor(name, a.astype(np.float16) if dtype == "f16" and a.ndim >= 2 else a)
+        w.add_tensor(name, a.astype(np.float16) if dtype == "f16" and a.ndim >= 2 and not f32 else a)
 
     put("token_embd.weight", arr(n.embed))
     put("output_norm.weight", arr(n.final_norm))
@@ -232,13 +241,13 @@ def write_hybrid_gguf(
         put(p + "attn_norm.weight", arr(n.key(i, "norm")))
         if isinstance(b, MambaBlock):
             put(p + "ssm_in.weight", arr(n.key(i, "in_proj")))
-            put(p + "ssm_conv1d.weight", arr(n.key(i, "conv_w")).reshape(-1, b.conv_kernel))
+            put(p + "ssm_conv1d.weight", arr(n.key(i, "conv_w")).reshape(-1, b.conv_kernel), f32=True)
             if n.key(i, "conv_b") in csd:
                 put(p + "ssm_conv1d.bias", arr(n.key(i, "conv_b")))
             put(p + "ssm_dt.bias", arr(n.key(i, "dt_bias")))
-            put(p + "ssm_a", -np.exp(arr(n.key(i, "A_log"))).reshape(-1, 1))
-            put(p + "ssm_d", arr(n.key(i, "D")).reshape(-1, 1))
-            put(p + "ssm_norm.weight", arr(n.key(i, "mnorm")).reshape(b.num_groups, -1))
+            put(p + "ssm_a", -np.exp(arr(n.key(i, "A_log"))).reshape(-1, 1), f32=True)
+            put(p + "ssm_d", arr(n.key(i, "D")).reshape(-1, 1), f32=True)
+            put(p + "ssm_norm.weight", arr(n.key(i, "mnorm")).reshape(b.num_groups, -1), f32=True)
             put(p + "ssm_out.weight", arr(n.key(i, "out_proj")))
         elif isinstance(b, AttentionBlock):
             for role, gname in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):

@@ -406,6 +406,12 @@ def check_export(
     result = {"max_abs_dlogit": d, "tolerance": tol, "dtype": dtype, "tokens": len(toks), "pass": ok}
     if ok:
         return result
+    if spec.family == "nemotron_h" or not spec.is_dense_layered():
+        raise ExportParityError(
+            f"the exported {Path(gguf_path).name} differs from the project's model by max |dlogit| {d:.4g} > "
+            f"{tol} ({dtype}) on {len(toks)} held-out tokens; a nemotron_h file is not bisected by layer "
+            "(its prefixes need an attention and a Mamba block): compare its tensors with the student's"
+        )
     raise ExportParityError(_locate(spec, ref_sd, Path(gguf_path), delta, d, tol, dtype))
 
 

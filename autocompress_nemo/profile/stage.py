@@ -113,21 +113,30 @@ def run_profile(cfg: Any, out_dir: str | Path) -> Path:
 
 
 def run_validate(
-    cfg: Any, table_path: str | Path, out_dir: str | Path, *, n_random: int | None = None, seed: int | None = None
+    cfg: Any,
+    table_path: str | Path,
+    out_dir: str | Path,
+    *,
+    n_random: int | None = None,
+    seed: int | None = None,
+    specs: list[ArchSpec] | None = None,
 ) -> dict[str, Any]:
-    """Measure candidate models end to end and report predicted vs measured; returns the summary."""
+    """Measure candidate models end to end and report predicted vs measured; returns the summary.
+    ``specs``: these models instead of the candidates drawn for the target (e.g. one list validated
+    against two engines' tables); the parent among them (named ``parent``) is the reference."""
     table = load_table(cfg, table_path)
     pred = Predictor(table, cfg.target)
     parent = parent_spec(cfg)
     wl = Workload.from_config(cfg.target.workload)
     n_rand = int(n_random if n_random is not None else settings_of(cfg.target.engine.settings).validate_random)
-    specs = val.candidates(
-        parent,
-        search_capabilities(cfg),
-        n_rand,
-        int(seed if seed is not None else cfg.seed),
-        int(cfg.search.ffn_options),
-    )
+    if specs is None:
+        specs = val.candidates(
+            parent,
+            search_capabilities(cfg),
+            n_rand,
+            int(seed if seed is not None else cfg.seed),
+            int(cfg.search.ffn_options),
+        )
     out = Path(out_dir) / VALIDATION_DIR
     rows: list[dict[str, Any]] = []
     t0 = time.time()

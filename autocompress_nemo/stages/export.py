@@ -1,5 +1,6 @@
-"""export_<method>: the student in the engine's format — GGUF for llama.cpp, gated by its logits'
-parity with the project's student on held-out tokens — plus a Hugging Face directory (DeciLM
+"""export_<method>: the student in the engine's format — GGUF for llama.cpp (``llama`` / ``deci`` for
+dense students, ``nemotron_h`` / ``nemotron_h_moe`` for hybrids), gated by its logits' parity with
+the project's student on held-out tokens — plus a Hugging Face directory (DeciLM
 ``block_configs`` / Nemotron-H Puzzle when heterogeneous) and a Megatron checkpoint."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.context import Context, load_weights
+from autocompress_nemo.export.gguf_hybrid import gguf_problems, is_hybrid
 from autocompress_nemo.stages.declare import DATA, LAYOUT, Stage, reads
 from autocompress_nemo.stages.layout import DistillDir, ExportDir
 from autocompress_nemo.utils.artifacts import write_json_atomic
@@ -25,19 +27,60 @@ STAGE = Stage(
 )
 
 
+def _parity_tokens(ctx: Context) -> list[int]:
+    """The fixed held-out sequence the export gate compares logits on."""
+    return ctx.heldout_batches(1, int(ctx.cfg.evaluate.parity_tokens), 1)[0][0].tolist()
+
+
+def _reference(ctx: Context) -> Any:
+    """The project's forward of ``(spec, sd)`` on ``[1, T]`` ids: the gate's reference logits ``[T, V]``."""
+
+    def reference(spec_k: ArchSpec, sd_k: dict[str, Any], ids: torch.Tensor) -> torch.Tensor:
+        m = ctx.model(spec_k, {k: torch.as_tensor(v) for k, v in sd_k.items()})
+        m.eval()
+        return ctx.forward(m, ids)[0]
+
+    return reference
+
+
+def export_hybrid_gguf(ctx: Context, spec: ArchSpec, sd: dict[str, torch.Tensor], art: ExportDir) -> Path:
+    """The hybrid student as a ``nemotron_h`` / ``nemotron_h_moe`` GGUF in the engine's dtype (f16 or
+    f32), gated by its logits' parity with the project's student on held-out tokens."""
+    from autocompress_nemo.export.gguf_hybrid import gguf_arch, write_hybrid_gguf
+    from autocompress_nemo.export.parity import check_export
+
+    dtype = str(ctx.cfg.target.engine.dtype)
+    if dtype not in ("f16", "f32"):
+        raise ValueError(f"target.engine.dtype={dtype}: a nemotron_h GGUF is written f16 or f32 here")
+    path = write_hybrid_gguf(spec, art.gguf(spec.name), sd, tokenizer_from=ctx.parent_gguf(), dtype=dtype)
+    ctx.say(f"[export] GGUF ({gguf_arch(spec)}) -> {path}")
+    parity = check_export(spec, sd, path, _reference(ctx), _parity_tokens(ctx), dtype)
+    write_json_atomic(art.parity, {**parity, "file": path.name})
+    ctx.say(
+        f"[export] parity with the PyTorch student on {parity['tokens']} held-out tokens: max |dlogit| "
+        f"{parity['max_abs_dlogit']:.4g} <= {parity['tolerance']} ({dtype}) PASS"
+    )
+    return path
+
+
 def run(ctx: Context, out: Path, student: DistillDir) -> None:
     import numpy as np
 
     spec, sd = load_weights(student.dir)
     art = ExportDir(out)
     ctx.export_hf(spec, sd, art.hf)
-    if not spec.is_dense_layered():
+    llama_cpp = str(ctx.cfg.target.engine.name) == "llama_cpp"
+    if is_hybrid(spec):
         ctx.say(
             f"[export] Nemotron-H Hugging Face directory ({'uniform' if spec.is_uniform() else 'Puzzle per-block'}) "
-            f"-> {art.hf}. No GGUF: llama.cpp's deci architecture is Llama-only and its nemotron_h_moe takes one "
-            "global expert count and width, so a hybrid with per-block experts cannot be written for it"
+            f"-> {art.hf}"
         )
-    elif str(ctx.cfg.target.engine.name) == "llama_cpp":
+        problems = gguf_problems(spec) if llama_cpp else []
+        if problems:  # e.g. a PyTorch-eager run whose student has per-block expert counts
+            ctx.say("[export] no GGUF: llama.cpp's nemotron_h cannot serve this student: " + "; ".join(problems))
+        elif llama_cpp:
+            export_hybrid_gguf(ctx, spec, sd, art)
+    elif llama_cpp:
         from autocompress_nemo.costs.gguf_types import check_dtype, is_quantized
         from autocompress_nemo.export.gguf import write_gguf
         from autocompress_nemo.export.parity import check_export
@@ -57,15 +100,8 @@ def run(ctx: Context, out: Path, student: DistillDir) -> None:
         )
         ctx.say(f"[export] GGUF ({'llama' if spec.is_uniform() else 'deci'}) -> {path}")
         # the gate: the file's logits against the project's student on a fixed held-out sequence
-        tokens = ctx.heldout_batches(1, int(ctx.cfg.evaluate.parity_tokens), 1)[0][0].tolist()
-
-        def reference(spec_k: ArchSpec, sd_k: dict[str, Any], ids: torch.Tensor) -> torch.Tensor:
-            m = ctx.model(spec_k, {k: torch.as_tensor(v) for k, v in sd_k.items()})
-            m.eval()
-            return ctx.forward(m, ids)[0]
-
         gate_dtype = "f16" if quantized else dtype
-        parity = check_export(spec, sd, path, reference, tokens, gate_dtype)
+        parity = check_export(spec, sd, path, _reference(ctx), _parity_tokens(ctx), gate_dtype)
         write_json_atomic(art.parity, {**parity, "file": path.name})
         ctx.say(
             f"[export] parity with the PyTorch student on {parity['tokens']} held-out tokens: max |dlogit| "

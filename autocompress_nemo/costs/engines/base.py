@@ -178,6 +178,19 @@ def capability_problems(spec: ArchSpec, caps: Any, parent: ArchSpec | None = Non
                 out.append(f"block {i}: ffn {b.ffn} is not a multiple of ffn_align={align}")
         elif b.removed and not getattr(caps, f"remove_{b.kind}"):
             out.append(f"block {i}: removed {b.kind} is not served (remove_{b.kind}=False)")
+    kept = {b.kind for b in spec.blocks if not b.removed}
+    for k in caps.keep_first_of:
+        if k not in kept and (parent is None or any(b.kind == k and not b.removed for b in parent.blocks)):
+            out.append(
+                f"the model keeps no {k} block (keep_first_of: the engine needs at least one; llama.cpp nemotron_h "
+                "aborts on a zero-size cache)"
+            )
+    if not caps.mlp_with_moe and {"mlp", "moe"} <= kept:
+        mlps = [i for i, b in enumerate(spec.blocks) if b.kind == "mlp" and not b.removed]
+        out.append(
+            f"dense MLP block(s) {mlps} in a model with MoE blocks (mlp_with_moe=False: llama.cpp "
+            "nemotron_h_moe reads every feed-forward layer as MoE and refuses a dense one)"
+        )
     if spec.is_dense_layered():
         layers = spec.layers()
         if caps.first_block_full and layers and layers[0][0].removed:

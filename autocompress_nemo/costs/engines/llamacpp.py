@@ -1,7 +1,9 @@
 """llama.cpp through llama-cpp-python's low-level C API (the embedded default engine; runs on CPU).
 
 A model is written as GGUF (``export/gguf.py``: ``llama`` when uniform, ``deci`` when
-heterogeneous) in F16 and, for a quantized ``engine.dtype`` (q8_0, q4_1, q4_0, q4_k_m),
+heterogeneous; a Nemotron-H hybrid as ``nemotron_h`` / ``nemotron_h_moe`` by ``export/gguf_hybrid.py``,
+checked against the measured pitfalls first and loaded once in a child process, since an invalid
+hybrid file kills the process that loads it) in F16 and, for a quantized ``engine.dtype`` (q8_0, q4_1, q4_0, q4_k_m),
 quantized by llama.cpp's own quantizer (``export/quantize.py``; the per-tensor types and their
 fallbacks are ``costs/gguf_types.py``'s), loaded with ``llama_model_load_from_file`` and served by one context of
 ``n_ctx = context_len``, ``n_seq_max = batch``, flash attention on (with it off the V cache
@@ -14,7 +16,9 @@ Timing (each timed call is ``llama_decode`` + ``llama_synchronize``, on the cloc
 - decode: fill sequence 0 to the decode context ``C`` (copied to the other sequences),
   then repeatedly decode one token per sequence at position ``C`` and remove it again, so
   every timed step sees exactly ``C`` cached tokens; a few warm-up steps, then
-  ``decode_steps`` timed ones.
+  ``decode_steps`` timed ones. A hybrid's Mamba state cannot be rolled back by one token, so its
+  steps move forward over positions ``C - 16 .. C + 15`` (mean KV length ``C``), the cache
+  filled again (untimed) at the window's end.
 
 Several models are measured in interleaved rounds (``measure_many``, ``engine.settings.rounds``,
 default 2): every round loads each model in turn and takes ``ceil(repeats / rounds)``
@@ -52,8 +56,11 @@ import numpy as np
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.costs.engines.base import CpuTimedEngine, Measurement, Workload
 from autocompress_nemo.costs.engines.paired import interleave
+from autocompress_nemo.export.gguf_hybrid import is_hybrid
 
 _MIB = 1024.0 * 1024.0
+RECURRENT_WINDOW = 16
+"""Half-width of the positions a recurrent model's timed decode steps move over (``_decode_window``)."""
 _LOG: list[str] = []
 _CALLBACK: Any = None
 
@@ -80,7 +87,8 @@ def repacked_tensors(text: str) -> list[str]:
 
 
 def parse_memory_log(text: str, tensor_bytes: dict[str, int] | None = None) -> dict[str, float]:
-    """Bytes by part from llama.cpp's log: weights, kv (= k + v), k, v, output, compute.
+    """Bytes by part from llama.cpp's log: weights, kv (= k + v), k, v, output, compute, and state
+    (``RS buffer size``: the recurrent Mamba state of a hybrid, F32, one cell per sequence).
 
     Sums every ``... model buffer size = X MiB`` (mapped, repacked ...), and likewise for
     compute and output buffers; ``K (type): X MiB, V (type): Y MiB`` gives the KV parts.
@@ -106,6 +114,9 @@ def parse_memory_log(text: str, tensor_bytes: dict[str, int] | None = None) -> d
         "output": total(r"output buffer size\s*=\s*([0-9.]+) MiB"),
         "compute": total(r"compute buffer size\s*=\s*([0-9.]+) MiB"),
     }
+    state = total(r"RS buffer size\s*=\s*([0-9.]+) MiB")  # the recurrent (Mamba) state of a hybrid
+    if state:
+        out["state"] = state
     repacked = set(repacked_tensors(text))
     if repacked and tensor_bytes:
         out["weights_repacked"] = total(r"CPU_REPACK model buffer size\s*=\s*([0-9.]+) MiB")
@@ -145,8 +156,21 @@ class LlamaCppEngine(CpuTimedEngine):
 
     def check_servable(self, spec: ArchSpec, parent: ArchSpec | None = None) -> list[str]:
         out = super().check_servable(spec, parent)
-        if not spec.is_dense_layered():
-            out.append(f"llama.cpp (llama/deci GGUF) serves (attention, mlp) layer stacks only, got {spec.pattern!r}")
+        if not is_hybrid(spec):
+            return out
+        if "mamba" not in self.capabilities.block_kinds:
+            out.append(
+                f"this llama.cpp engine config (block kinds {list(self.capabilities.block_kinds)}) writes llama / deci "
+                f"GGUF, (attention, mlp) layer stacks only, got the hybrid {spec.pattern!r}; use "
+                "engine@target.engine=llama_cpp_hybrid_cpu (nemotron_h GGUF) or a hybrid target (tiny_hybrid_cpu, "
+                "small_hybrid_cpu, cpu_hybrid_chat)"
+            )
+            return out
+        from autocompress_nemo.export.gguf_hybrid import gguf_problems
+
+        out += [f"nemotron_h GGUF: {p}" for p in gguf_problems(spec)]
+        if self.dtype not in ("f16", "f32"):
+            out.append(f"engine.dtype={self.dtype}: hybrid GGUFs are written f16 or f32 here (no quantized hybrids)")
         return out
 
     # -- measurement ------------------------------------------------------------
@@ -162,6 +186,14 @@ class LlamaCppEngine(CpuTimedEngine):
         from autocompress_nemo.export.quantize import quantize_gguf
 
         dtype = self.dtype
+        if is_hybrid(spec):
+            from autocompress_nemo.costs.engines.llamacpp_child import probe_load
+            from autocompress_nemo.export.gguf_hybrid import write_hybrid_gguf
+
+            write_hybrid_gguf(spec, path, weights, dtype=dtype, context_length=context_len)
+            # llama.cpp kills the process on some invalid nemotron_h files: load it once in a child first
+            probe_load(path, n_ctx=64)
+            return None
         if not is_quantized(dtype):
             write_gguf(spec, path, weights, dtype=dtype, context_length=context_len)
             return None
@@ -235,11 +267,11 @@ class LlamaCppEngine(CpuTimedEngine):
             written.append(rp)
 
             def open_reference() -> _LlamaLive:
-                return _LlamaLive(self, rp, reference.vocab, workload, timing)
+                return _LlamaLive(self, rp, reference.vocab, workload, timing, is_hybrid(reference))
 
         def open_model(i: int) -> _LlamaLive:
             self.runs += 1
-            return _LlamaLive(self, paths[i], specs[i].vocab, workload, timing)
+            return _LlamaLive(self, paths[i], specs[i].vocab, workload, timing, is_hybrid(specs[i]))
 
         try:
             return interleave(
@@ -247,7 +279,7 @@ class LlamaCppEngine(CpuTimedEngine):
                 specs,
                 open_model,
                 open_reference,
-                ("weights", "kv", "compute", "output"),
+                ("weights", "kv", "compute", "output", "state"),
                 rounds=rounds,
                 min_steps=4,
                 scale=scale,
@@ -262,7 +294,9 @@ class LlamaCppEngine(CpuTimedEngine):
 class _LlamaLive:
     """One GGUF loaded in llama.cpp with its context: memory from the load log, timed prefills and decode steps."""
 
-    def __init__(self, engine: LlamaCppEngine, path: Path, vocab: int, wl: Workload, timing: bool) -> None:
+    def __init__(
+        self, engine: LlamaCppEngine, path: Path, vocab: int, wl: Workload, timing: bool, recurrent: bool = False
+    ) -> None:
         import llama_cpp as L
 
         self.L, self.engine, self.vocab, self.wl = L, engine, vocab, wl
@@ -301,6 +335,8 @@ class _LlamaLive:
         self.warm_prefill = True
         self.decode_ready = False
         self.c = engine.decode_context(wl)
+        self.recurrent = recurrent
+        self.pos = 0
 
     def close(self) -> None:
         L = self.L
@@ -349,17 +385,48 @@ class _LlamaLive:
         self.decode_ready = False
         return out
 
+    def _fill(self, n: int) -> None:
+        """Clear the cache and fill every sequence with ``n`` random tokens (untimed)."""
+        L = self.L
+        L.llama_memory_clear(self.mem, True)
+        for start in range(0, n, self.n_batch):
+            self._run(self._prompt(min(self.n_batch, n - start), start, 1))
+        for s in range(1, self.wl.batch):
+            L.llama_memory_seq_cp(self.mem, 0, s, -1, -1)
+
+    def _decode_window(self, n: int) -> list[tuple[float, float]]:
+        """Decode steps of a recurrent (hybrid) model: its Mamba state cannot be rolled back one token
+        (llama.cpp refuses the partial ``seq_rm``; the next step then fails on a position gap), so the
+        steps run forward over positions ``[C - W, C + W)`` (``W = RECURRENT_WINDOW``, within the
+        context), whose mean KV length is ``C``; at the window's end the cache is filled again to
+        ``C - W`` (untimed) and ``decode_warmup`` untimed steps follow."""
+        half = max(1, min(RECURRENT_WINDOW, self.c, self.wl.context_len - 1 - self.c))
+        lo, hi = self.c - half, self.c + half
+        out: list[tuple[float, float]] = []
+        warm = 0
+        while len(out) < n:
+            if not self.decode_ready or self.pos >= hi:
+                self._fill(lo)
+                self.pos, warm, self.decode_ready = lo, self.engine.settings.decode_warmup, True
+            toks = self.rng.integers(0, self.vocab, size=self.wl.batch)
+            dt = self._run([(int(toks[s]), self.pos, s, True) for s in range(self.wl.batch)])
+            self.pos += 1
+            if warm:
+                warm -= 1
+            else:
+                out.append(dt)
+        return out
+
     def decode(self, n: int) -> list[tuple[float, float]]:
         """``n`` timed decode steps at position ``C`` (the cache filled to ``C`` first, untimed, then
-        ``decode_warmup`` untimed steps); each step's token is removed again."""
+        ``decode_warmup`` untimed steps); each step's token is removed again. A recurrent model's
+        steps move forward around ``C`` instead (``_decode_window``)."""
+        if self.recurrent:
+            return self._decode_window(n)
         L, wl, c = self.L, self.wl, self.c
         warm = 0
         if not self.decode_ready:
-            L.llama_memory_clear(self.mem, True)
-            for start in range(0, c, self.n_batch):
-                self._run(self._prompt(min(self.n_batch, c - start), start, 1))
-            for s in range(1, wl.batch):
-                L.llama_memory_seq_cp(self.mem, 0, s, -1, -1)
+            self._fill(c)
             warm = self.engine.settings.decode_warmup
             self.decode_ready = True
         out = []

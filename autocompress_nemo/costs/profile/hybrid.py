@@ -20,12 +20,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.costs.engines.base import Engine, Workload
 from autocompress_nemo.costs.memory import conv_extra_columns, weight_bytes
 from autocompress_nemo.costs.profile.differences import hybrid_differences
 from autocompress_nemo.costs.profile.fit import hybrid_fit
 from autocompress_nemo.costs.profile.grid import profile_options
+from autocompress_nemo.costs.profile.pairs import kv_tokens
 from autocompress_nemo.costs.profile.provenance import reference_record, table_provenance
 from autocompress_nemo.costs.table import PHASES, CostTable, spec_hash
 
@@ -62,8 +65,12 @@ def build_hybrid_table(
         "compute_bytes": [],
         "compute_base_bytes": base.memory.get("compute", 0.0),
         "compute_range": [min(comp), max(comp)],
+        "compute_median_bytes": float(np.median(comp)) if comp else 0.0,
         "weights_overhead_bytes": base.memory.get("weights", 0.0) - weight_bytes(parent, dtype, norm_dtype),
-        "kv_tokens": workload.context_len * workload.batch,
+        # KV cells the engine allocates for B x C tokens (llama.cpp: a multiple of 256)
+        "kv_tokens": kv_tokens(base, parent, workload, str(engine.cfg.kv_dtype), 256)
+        if engine.name == "llama_cpp"
+        else workload.context_len * workload.batch,
         "norm_dtype": norm_dtype,
         # conv-state columns beyond K-1 that the engine keeps (transformers: K), from the base's state
         "conv_extra": conv_extra_columns(parent, workload.batch, "f32", base.memory.get("state", 0.0))

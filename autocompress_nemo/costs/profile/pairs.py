@@ -200,7 +200,7 @@ def build_pairs_table(
         "weights_overhead_bytes": base.memory.get("weights", 0.0) - weight_bytes(base_spec, dtype),
         # KV cells the engine allocates for B x C tokens (llama.cpp pads to a multiple of 256)
         # (read from the run with the largest KV buffer: the log's 0.01 MiB resolution matters least there)
-        "kv_tokens": _kv_tokens(
+        "kv_tokens": kv_tokens(
             *max(zip(results, specs, strict=True), key=lambda ms: ms[0].memory.get("kv", 0.0)),
             workload,
             str(engine.cfg.kv_dtype),
@@ -255,10 +255,12 @@ def _compute_probes(
     }
 
 
-def _kv_tokens(m: Measurement, spec: ArchSpec, wl: Workload, kv_dtype: str) -> int:
-    """Token cells behind the reported KV buffer: ``kv_bytes / kv_bytes_per_token`` (falls back to ``B * C``)."""
+def kv_tokens(m: Measurement, spec: ArchSpec, wl: Workload, kv_dtype: str, pad: int = 1) -> int:
+    """Token cells behind the reported KV buffer: ``kv_bytes / kv_bytes_per_token`` (falls back to ``B * C``),
+    snapped to a multiple of ``pad`` (llama.cpp allocates cells in multiples of 256 and logs the buffer
+    in MiB to two decimals, which is coarse for a tiny model)."""
     per_token = kv_cache_bytes(spec, 1, 1, kv_dtype)
     kv = m.memory.get("kv", 0.0)
     if m.estimated or not kv or not per_token:
         return wl.context_len * wl.batch
-    return int(round(kv / per_token))
+    return max(pad, int(round(kv / per_token / pad)) * pad)
