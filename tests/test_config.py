@@ -32,7 +32,14 @@ CONTEXT = {"b200_128k": 131072, "rtx5080_coding": 32768}
 
 
 LLAMA_CPP_HYBRID_TARGETS = {"tiny_hybrid_cpu", "small_hybrid_cpu", "cpu_hybrid_chat"}
-LLAMA_CPP_HYBRIDS = {"nemotron_h_8b", "nemotron3_nano", "nemotron_super", "tiny_hybrid_moe", "small_hybrid", "stdlib_hybrid"}
+LLAMA_CPP_HYBRIDS = {
+    "nemotron_h_8b",
+    "nemotron3_nano",
+    "nemotron_super",
+    "tiny_hybrid_moe",
+    "small_hybrid",
+    "stdlib_hybrid",
+}
 """Hybrids llama.cpp's nemotron_h serves: an attention and a Mamba block, no dense MLP next to MoE."""
 
 
@@ -45,7 +52,13 @@ def expected_rejection(target: str, model: str) -> list[str]:
         out.append(f"engine llama_cpp (target {target}) cannot serve model {model}")
     if CONTEXT.get(target, 0) > MAX_POSITION.get(model, 10**9):
         out.append(f"exceeds model {model}'s max_position")
-    if target == "h100x8_serving" and model in {"smollm2_135m", "tiny_llama", "tiny_moe", "tiny_hybrid", "tiny_hybrid_moe"}:
+    if target == "h100x8_serving" and model in {
+        "smollm2_135m",
+        "tiny_llama",
+        "tiny_moe",
+        "tiny_hybrid",
+        "tiny_hybrid_moe",
+    }:
         out.append("target.engine.tensor_parallel=8 (target h100x8_serving) does not divide model.heads")
     return out
 

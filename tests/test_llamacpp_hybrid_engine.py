@@ -68,7 +68,9 @@ def _copy(src: Path, out: Path, *, array: tuple[str, list[int]] | None = None, f
 
 @llama_cpp
 @pytest.mark.engine
-@pytest.mark.parametrize("key", ["expert_count", "expert_shared_feed_forward_length", "ssm.time_step_rank", "ssm.group_count"])
+@pytest.mark.parametrize(
+    "key", ["expert_count", "expert_shared_feed_forward_length", "ssm.time_step_rank", "ssm.group_count"]
+)
 def test_llama_cpp_refuses_these_per_layer(tmp_path, key) -> None:
     """What the llama.cpp hybrid search space leaves out, measured: the same value on every layer,
     given as an array instead of a scalar, is refused at load ("wrong type arr")."""
@@ -147,9 +149,10 @@ E = MoeBlock(4, 64, 2, 64, 0, "relu2")
 )
 def test_pitfalls_are_refused_before_llama_cpp(tmp_path, spec, message) -> None:
     """The engine and the writer refuse each pitfall with a message, and no file is written."""
+    from omegaconf import OmegaConf
+
     from autocompress_nemo.costs.engines.llamacpp import LlamaCppEngine
     from autocompress_nemo.export.gguf_hybrid import write_hybrid_gguf
-    from omegaconf import OmegaConf
 
     eng = LlamaCppEngine(OmegaConf.load(ENGINE_YAML))
     problems = eng.check_servable(spec)
