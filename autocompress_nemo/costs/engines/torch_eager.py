@@ -1,12 +1,11 @@
 """PyTorch eager (transformers) on CPU: a *measurement* engine for heterogeneous hybrids.
 
-**Not a production serving engine.** It exists because no serving engine on this CPU runs
-Nemotron-H hybrids with per-block shapes: llama.cpp's ``deci`` architecture is Llama-only,
-and its ``nemotron_h`` / ``nemotron_h_moe`` architectures (present in llama-cpp-python 0.3.36)
-read one global expert count, expert width and shared-expert width (``expert_count``,
-``expert_feed_forward_length``, ``expert_shared_feed_forward_length`` are scalars; the expert
-tensors are shaped ``[n_embd, n_ff_exp, n_expert]`` with the global values), so per-block
-expert counts or widths do not load. Every number this engine produces is labelled
+**Not a production serving engine: the explicitly labelled fallback.** Hybrids on this CPU are
+measured and served in llama.cpp (``nemotron_h`` / ``nemotron_h_moe``, ``conf/engine/llama_cpp_hybrid_cpu.yaml``),
+which reads per layer the dense ffn width, query / KV heads, routed-expert width and top-k. This
+engine stays for what llama.cpp refuses, as measured with llama-cpp-python 0.3.36
+(``tests/test_llamacpp_hybrid_engine.py``): per-block routed-expert counts, shared-expert widths and
+Mamba heads, and a dense MLP block in a model with MoE blocks. Every number this engine produces is labelled
 "PyTorch eager (transformers) on CPU" (``version()``, ``provenance()['serving']``).
 
 Model: transformers' own ``NemotronHForCausalLM`` (uniform config from
