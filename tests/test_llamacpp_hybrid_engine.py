@@ -202,6 +202,31 @@ def test_engine_times_a_hybrid_and_reports_its_state(tmp_path) -> None:
 
 @llama_cpp
 @pytest.mark.engine
+def test_a_hybrid_state_cannot_be_rolled_back_one_token(tmp_path) -> None:
+    """Why a hybrid's decode steps move forward (``_decode_window``), measured: after a decode step at
+    position C, llama.cpp refuses to remove that one position of a sequence with Mamba state
+    (``llama_memory_seq_rm`` returns false), and decoding at C again fails on the position gap."""
+    from autocompress_nemo.costs.engines import get_engine
+    from autocompress_nemo.costs.engines.base import Workload
+    from autocompress_nemo.costs.engines.llamacpp import _LlamaLive
+    from autocompress_nemo.export.gguf_hybrid import write_hybrid_gguf
+
+    eng = get_engine(compose(["+target=tiny_hybrid_cpu", "model=tiny_hybrid_moe"]).target, tmp_path)
+    spec = conf_spec("tiny_hybrid_moe")
+    path = write_hybrid_gguf(spec, tmp_path / "m.gguf", dtype="f16")
+    live = _LlamaLive(eng, path, spec.vocab, Workload(1, 16, 8, 128), True, recurrent=True)
+    try:
+        live._fill(16)
+        live._run([(1, 16, 0, True)])
+        assert live.L.llama_memory_seq_rm(live.mem, 0, 16, -1) is False
+        with pytest.raises(RuntimeError, match="inconsistent sequence positions"):
+            live._run([(1, 16, 0, True)])
+    finally:
+        live.close()
+
+
+@llama_cpp
+@pytest.mark.engine
 def test_a_file_that_kills_llama_cpp_is_an_error(tmp_path) -> None:
     """A hybrid file llama.cpp aborts on (an F16 conv weight: ``GGML_ASSERT(src1->nb[0] ==
     sizeof(float))`` in ``ssm_conv``) is loaded in a child process: the error names the signal."""

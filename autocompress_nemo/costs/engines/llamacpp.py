@@ -56,7 +56,7 @@ import numpy as np
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.costs.engines.base import CpuTimedEngine, Measurement, Workload
 from autocompress_nemo.costs.engines.paired import interleave
-from autocompress_nemo.export.gguf_hybrid import is_hybrid
+from autocompress_nemo.export.gguf_hybrid import gguf_problems, is_hybrid
 
 _MIB = 1024.0 * 1024.0
 RECURRENT_WINDOW = 16
@@ -166,8 +166,6 @@ class LlamaCppEngine(CpuTimedEngine):
                 "small_hybrid_cpu, cpu_hybrid_chat)"
             )
             return out
-        from autocompress_nemo.export.gguf_hybrid import gguf_problems
-
         out += [f"nemotron_h GGUF: {p}" for p in gguf_problems(spec)]
         if self.dtype not in ("f16", "f32"):
             out.append(f"engine.dtype={self.dtype}: hybrid GGUFs are written f16 or f32 here (no quantized hybrids)")
