@@ -28,34 +28,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from autocompress_nemo.config.own_model import SHAPE_FIELDS
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 COMMAND = "python -m autocompress_nemo.pretrain"
 RECORD = "pretrain.json"
-KEY_FIELDS = (
-    "family",
-    "hidden",
-    "vocab",
-    "num_layers",
-    "pattern",
-    "heads",
-    "kv_groups",
-    "head_dim",
-    "ffn",
-    "activation",
-    "num_experts",
-    "expert_ffn",
-    "top_k",
-    "shared_ffn",
-    "latent",
-    "mamba_heads",
-    "mamba_head_dim",
-    "mamba_state",
-    "mamba_groups",
-    "mamba_conv_kernel",
-    "tied_embeddings",
-    "norm_eps",
-    "rope_theta",
-)
+KEY_FIELDS = tuple(f for f in SHAPE_FIELDS if f not in ("dtype", "max_position"))
 """``cfg.model`` fields the trained weights depend on (``config.own_model.SHAPE_FIELDS`` without
 ``dtype`` and ``max_position``)."""
 DEFAULTS: dict[str, Any] = {
