@@ -6,6 +6,35 @@ from typing import Any
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock, block_from_dict
 
+SHAPE_FIELDS = (
+    "family",
+    "hidden",
+    "vocab",
+    "num_layers",
+    "pattern",
+    "heads",
+    "kv_groups",
+    "head_dim",
+    "ffn",
+    "activation",
+    "num_experts",
+    "expert_ffn",
+    "top_k",
+    "shared_ffn",
+    "latent",
+    "mamba_heads",
+    "mamba_head_dim",
+    "mamba_state",
+    "mamba_groups",
+    "mamba_conv_kernel",
+    "tied_embeddings",
+    "norm_eps",
+    "rope_theta",
+    "max_position",
+    "dtype",
+)
+"""The ``cfg.model`` fields that set a model's shape (``spec_from_model_config`` reads them)."""
+
 
 def _get(m: Any, key: str, default: Any = 0) -> Any:
     return m.get(key, default) if isinstance(m, dict) else getattr(m, key, default)

@@ -21,34 +21,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-SHAPE_FIELDS = (
-    "family",
-    "hidden",
-    "vocab",
-    "num_layers",
-    "pattern",
-    "heads",
-    "kv_groups",
-    "head_dim",
-    "ffn",
-    "activation",
-    "num_experts",
-    "expert_ffn",
-    "top_k",
-    "shared_ffn",
-    "latent",
-    "mamba_heads",
-    "mamba_head_dim",
-    "mamba_state",
-    "mamba_groups",
-    "mamba_conv_kernel",
-    "tied_embeddings",
-    "norm_eps",
-    "rope_theta",
-    "max_position",
-    "dtype",
-)
-"""``cfg.model`` fields a parent's own files decide (``dtype``: what the file stores)."""
+# the ``cfg.model`` fields a parent's own files decide (``dtype``: what the file stores)
+from autocompress_nemo.arch.from_config import SHAPE_FIELDS as SHAPE_FIELDS
 
 
 def source_name(path: Any) -> str:

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autocompress_nemo.config.own_model import SHAPE_FIELDS
+from autocompress_nemo.arch.from_config import SHAPE_FIELDS
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 COMMAND = "python -m autocompress_nemo.pretrain"
