@@ -73,14 +73,9 @@ def _get(c: Any, key: str, default: Any = None) -> Any:
 
 
 def _plain(v: Any) -> Any:
-    try:
-        from omegaconf import OmegaConf
+    from omegaconf import OmegaConf
 
-        if OmegaConf.is_config(v):
-            return OmegaConf.to_container(v, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
-    return v
+    return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
 
 
 def recipe_of(model: Any) -> dict[str, Any]:
