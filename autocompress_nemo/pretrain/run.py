@@ -127,13 +127,9 @@ def measured_where() -> dict[str, Any]:
     import megatron.core
 
     cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    info = Path("/proc/cpuinfo")  # Linux; elsewhere platform's name stands
+    lines = info.read_text().splitlines() if info.is_file() else []
+    cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
     return {
         "framework": f"PyTorch {torch.__version__} float32, megatron-core {megatron.core.__version__} "
         "(HybridModel, local CPU specs)",
