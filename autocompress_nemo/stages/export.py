@@ -76,7 +76,7 @@ def run(ctx: Context, out: Path, student: DistillDir) -> None:
             f"-> {art.hf}"
         )
         problems = gguf_problems(spec) if llama_cpp else []
-        if problems:  # e.g. a PyTorch-eager run whose student has per-block expert counts
+        if problems:  # the search space excludes these under llama.cpp; a student given by hand may not
             ctx.say("[export] no GGUF: llama.cpp's nemotron_h cannot serve this student: " + "; ".join(problems))
         elif llama_cpp:
             export_hybrid_gguf(ctx, spec, sd, art)
