@@ -191,7 +191,9 @@ def _task(cfg: DictConfig) -> dict[str, Any]:
     its message, not a traceback; ``AUTOCOMPRESS_DEBUG=1`` shows the traceback. A filesystem error
     (not writable, disk full) is one line naming the path. A budget the parent already meets stops
     cleanly (exit status 0, nothing to compress). A student over a budget in the evaluation exits
-    with ``fail_exit_code`` (default 3)."""
+    with ``fail_exit_code`` (default 3). An engine that crashed, hung past ``target.engine.timeout_s``
+    or refused a model exits 4 with the engine's own stderr tail (``costs/engines/worker.py``)."""
+    from autocompress_nemo.costs.engines.worker import EngineWorkerError
     from autocompress_nemo.rundir import describe_os_error, disk_error
 
     try:
@@ -204,6 +206,11 @@ def _task(cfg: DictConfig) -> dict[str, Any]:
             raise
         print(f"autocompress: error: {e}\n(run with AUTOCOMPRESS_DEBUG=1 for the traceback)", file=sys.stderr)
         sys.exit(2)
+    except EngineWorkerError as e:  # the engine crashed, hung or refused: its own stderr tail, no traceback
+        if os.environ.get("AUTOCOMPRESS_DEBUG"):
+            raise
+        print(f"autocompress: engine error: {e}", file=sys.stderr)
+        sys.exit(4)
     except (OSError, RuntimeError) as e:  # not writable, read-only, disk full: the path, not a traceback
         code = disk_error(e)
         if os.environ.get("AUTOCOMPRESS_DEBUG") or not (isinstance(e, OSError) or code):

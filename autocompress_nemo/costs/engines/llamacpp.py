@@ -134,11 +134,16 @@ class LlamaCppEngine(CpuTimedEngine):
     name = "llama_cpp"
     decode_steps = 160
 
-    def __init__(self, cfg: Any, hardware: Any = None, workdir: str | Path | None = None) -> None:
+    def __init__(
+        self, cfg: Any, hardware: Any = None, workdir: str | Path | None = None, *, in_worker: bool = False
+    ) -> None:
         super().__init__(cfg, hardware)
         _ = self.dtype  # an unsupported engine.dtype fails here, naming the supported ones
         self._workdir = Path(workdir) if workdir else None
         self.runs = 0
+        self.in_worker = in_worker
+        """True in the worker process (``llamacpp_child worker``), which times the files; the parent
+        writes them and sends them there (``worker.py``)."""
 
     @property
     def workdir(self) -> Path:
@@ -258,35 +263,102 @@ class LlamaCppEngine(CpuTimedEngine):
             self.write_model(spec, p, weights[i], workload.context_len)
             paths.append(p)
             written.append(p)
-        open_reference = None
+        rp: Path | None = None
         if reference is not None and timing and self.uses_reference():
             rp = self.workdir / "reference.gguf"
             self.write_model(reference, rp, None, workload.context_len)
             written.append(rp)
+        try:
+            return self._time_in_worker(specs, paths, workload, reference, rp, rounds, timing, log, scale)
+        finally:
+            for p in written:
+                p.unlink(missing_ok=True)
+
+    def _time_in_worker(
+        self,
+        specs: list[ArchSpec],
+        paths: list[Path],
+        workload: Workload,
+        reference: ArchSpec | None,
+        reference_path: Path | None,
+        rounds: int | None,
+        timing: bool,
+        log: Any,
+        scale: dict[str, float] | None,
+    ) -> list[Measurement]:
+        """The written files timed in the engine's worker process (their interleaved rounds and the
+        reference with them: one process holds the models timed together, as the ratios need)."""
+        import dataclasses
+
+        from autocompress_nemo.costs.engines.worker import module_command, run_worker
+
+        hw = self.hardware
+        req = {
+            "task": "measure_many",
+            "engine": dataclasses.asdict(self.cfg),
+            "hardware": {
+                "threads": int(getattr(hw, "threads", 0) or 0),
+                "device": str(getattr(hw, "device", "") or ""),
+            },
+            "specs": [s.to_dict() for s in specs],
+            "paths": [str(p) for p in paths],
+            "reference": reference.to_dict() if reference_path is not None and reference is not None else None,
+            "reference_path": str(reference_path) if reference_path is not None else None,
+            "workload": dataclasses.asdict(workload),
+            "rounds": rounds,
+            "timing": timing,
+            "scale": scale,
+            "workdir": str(self.workdir),
+        }
+        what = ", ".join(s.name or "model" for s in specs[:4]) + (f" (+{len(specs) - 4})" if len(specs) > 4 else "")
+        resp = run_worker(
+            self.cfg,
+            [*module_command(self.cfg, "autocompress_nemo.costs.engines.llamacpp_child"), "worker"],
+            req,
+            self.workdir,
+            what=what,
+            log=log,
+        )
+        self.runs += int(resp.get("runs", 0))
+        names = {f.name for f in dataclasses.fields(Measurement)}
+        return [Measurement(**{k: v for k, v in d.items() if k in names}) for d in resp["measurements"]]
+
+    def time_files(
+        self,
+        specs: list[ArchSpec],
+        paths: list[Path],
+        workload: Workload,
+        *,
+        reference: ArchSpec | None = None,
+        reference_path: Path | None = None,
+        rounds: int | None = None,
+        timing: bool = True,
+        log: Any = None,
+        scale: dict[str, float] | None = None,
+    ) -> list[Measurement]:
+        """Time written GGUF files in this process (the worker's side of ``measure_many``)."""
+        open_reference = None
+        if reference is not None and reference_path is not None:
 
             def open_reference() -> _LlamaLive:
-                return _LlamaLive(self, rp, reference.vocab, workload, timing, is_hybrid(reference))
+                return _LlamaLive(self, reference_path, reference.vocab, workload, timing, is_hybrid(reference))
 
         def open_model(i: int) -> _LlamaLive:
             self.runs += 1
             return _LlamaLive(self, paths[i], specs[i].vocab, workload, timing, is_hybrid(specs[i]))
 
-        try:
-            return interleave(
-                self,
-                specs,
-                open_model,
-                open_reference,
-                ("weights", "kv", "compute", "output", "state"),
-                rounds=rounds,
-                min_steps=4,
-                scale=scale,
-                timing=timing,
-                log=log,
-            )
-        finally:
-            for p in written:
-                p.unlink(missing_ok=True)
+        return interleave(
+            self,
+            specs,
+            open_model,
+            open_reference,
+            ("weights", "kv", "compute", "output", "state"),
+            rounds=rounds,
+            min_steps=4,
+            scale=scale,
+            timing=timing,
+            log=log,
+        )
 
 
 class _LlamaLive:

@@ -133,8 +133,8 @@ def run_worker(
         for line in proc.stderr:
             line = line.rstrip("\n")
             tail.append(line)
-            if log is not None and line.startswith("[worker]"):
-                log(line)
+            if log is not None and line.startswith("[worker] "):  # the worker's progress lines
+                log(line.removeprefix("[worker] "))
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()

@@ -119,7 +119,9 @@ def measure(req: dict[str, Any]) -> dict[str, Any]:
     batch, input_len = max(1, int(wl["batch"])), int(wl["input_len"])
 
     def gen(max_tokens: int) -> float:
-        p = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+        p = SamplingParams(
+            max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False
+        )
         prompts = _prompts(vocab, batch, input_len, rng)
         t = time.perf_counter()
         llm.generate(prompts, p, use_tqdm=False)
