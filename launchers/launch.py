@@ -112,7 +112,7 @@ def submitit_submit(cfg: Any, stage: str, overrides: list[str], folder: Path, de
         ],
         srun_args=[
             f"--container-image={job.container_image}",
-            f"--container-mounts={job.container_mounts}",
+            f"--container-mounts={step.mounts or job.container_mounts}",
             f"--container-workdir={job.container_workdir}",
         ],
     )

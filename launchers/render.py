@@ -9,6 +9,7 @@ computes.
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,10 @@ from autocompress_nemo.plan.layout import DISTRIBUTED_STAGES, STAGES, ParallelLa
 SLURM_DIR = Path(__file__).resolve().parent.parent / "slurm"
 MODULE = "autocompress_nemo.search"
 DEFAULT_TIME = "04:00:00"
+ENGINE_STAGES = ("profile", "validate", "search", "evaluate")
+"""Stages that measure models in the target's engine (search: the measured check before any weights
+are sliced). Their engine worker runs in the engine's serving image; the stage itself, like every
+other stage, runs in the training image."""
 
 
 class LaunchError(ValueError):
@@ -35,7 +40,12 @@ class StepSpec:
     nproc_per_node: int
     layout_text: str
     argv: list[str]
-    """Arguments after ``-m <module>``: ``stages=[<stage>]`` then the user's overrides."""
+    """Arguments after ``-m <module>``: ``stages=[<stage>]``, the user's overrides, then (engine stages
+    under Slurm) where the engine worker runs: ``target.engine.container`` / ``container_mounts``."""
+    mounts: str = ""
+    """``--container-mounts`` of this step ("" = the job's)."""
+    engine_note: str = ""
+    """Where the step's engine worker runs (a comment in the script)."""
 
     @property
     def args(self) -> str:
@@ -103,10 +113,70 @@ def stage_layout(cfg: Any, stage: str) -> ParallelLayout:
     return layout
 
 
+def engine_image(cfg: Any) -> str:
+    """The serving image the engine worker runs in: ``target.engine.container``, else the cluster's
+    ``engine_images[<engine>]`` unless ``target.engine.python`` names an interpreter; "" = none."""
+    eng = cfg.target.engine
+    if str(eng.get("container") or ""):
+        return str(eng.container)
+    if str(eng.get("python") or ""):
+        return ""
+    images = cfg.cluster.get("engine_images") or {}
+    return str(images.get(str(eng.name), "") or "")
+
+
+def _mounts(cfg: Any) -> str:
+    return ",".join(str(m) for m in (cfg.cluster.get("container_mounts") or []))
+
+
+def _given(overrides: list[str], key: str) -> bool:
+    return any(o.lstrip("+~").split("=", 1)[0] == key for o in overrides)
+
+
+def _hydra_str(value: str) -> str:
+    """``value`` as a Hydra override value: as is when Hydra reads it as that string, else quoted
+    (a comma would make it a sweep, ``#`` in an enroot URI is not a value character)."""
+    if re.fullmatch(r"[A-Za-z0-9_./:@+-]+", value) and not re.fullmatch(r"[0-9.+-]+|true|false|null", value):
+        return value
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def engine_overrides(cfg: Any, stage: str, overrides: list[str]) -> list[str]:
+    """For an engine stage on a Slurm cluster with a serving image: the overrides that run the engine
+    worker in that image (``srun --container-image``, costs/engines/worker.py) with the job's own
+    mounts, so the run directory is at the same path in both containers. Keys the user gave win."""
+    if stage not in ENGINE_STAGES or str(cfg.cluster.kind) != "slurm":
+        return []
+    image = engine_image(cfg)
+    if not image:
+        return []
+    out = []
+    if not _given(overrides, "target.engine.container"):
+        out.append(f"target.engine.container={_hydra_str(image)}")
+    mounts = str(cfg.target.engine.get("container_mounts") or "") or _mounts(cfg)
+    if mounts and not _given(overrides, "target.engine.container_mounts"):
+        out.append(f"target.engine.container_mounts={_hydra_str(mounts)}")
+    return out
+
+
 def step_for(cfg: Any, stage: str, overrides: list[str]) -> StepSpec:
     layout = stage_layout(cfg, stage)
     user = [o for o in overrides if not o.startswith("stages=")]
-    return StepSpec(stage, layout.nodes, layout.procs_per_node, layout.describe(), [f"stages=[{stage}]", *user])
+    engine = engine_overrides(cfg, stage, user)
+    mounts, note = _mounts(cfg), ""
+    if engine or (stage in ENGINE_STAGES and str(cfg.target.engine.get("container") or "")):
+        client = [f"{p}:{p}" for p in (cfg.cluster.get("slurm_client_mounts") or [])]
+        mounts = ",".join(m for m in [mounts, *client] if m)
+        note = f"engine {cfg.target.engine.name} worker in {engine_image(cfg)} (srun --container-image)"
+    return StepSpec(
+        stage,
+        layout.nodes,
+        layout.procs_per_node,
+        layout.describe(),
+        [f"stages=[{stage}]", *user, *engine],
+        mounts=mounts,
+        engine_note=note,
+    )
 
 
 def job_for(cfg: Any, stages: list[str], overrides: list[str], name: str | None = None) -> JobSpec:

@@ -330,6 +330,17 @@ class ClusterConfig:
     """Extra environment variables exported in the job script (NCCL settings, caches)."""
     sbatch_extra: list[str] = field(default_factory=list)
     """Extra ``#SBATCH`` lines, verbatim without the prefix, e.g. ``--exclusive``."""
+    engine_images: dict[str, str] = field(default_factory=dict)
+    """Serving image per engine name (``trtllm``, ``vllm``: ``docker/<engine>.Dockerfile`` as an enroot
+    ``.sqsh`` or an image URI). The stages that measure in the engine (profile, validate, evaluate)
+    run their engine worker in it (``target.engine.container``, passed to the job by the launcher);
+    every other stage never sees it. "" = the engine runs in the training image (where it is not
+    installed: set ``target.engine.python`` or an image)."""
+    slurm_client_mounts: list[str] = field(default_factory=list)
+    """Host paths bind-mounted (same path) into the training container of an engine stage so that it
+    can start the engine's own job step (``srun --container-image``, costs/engines/worker.py): the
+    Slurm client, its configuration, the munge socket, e.g. ``[/usr/bin/srun, /etc/slurm,
+    /usr/lib64/slurm, /run/munge]``; which paths depends on the cluster (docs/engines.md)."""
 
 
 @dataclass
