@@ -120,15 +120,18 @@ class Context:
 
         return megatron_to_hf(spec, model)
 
-    @staticmethod
-    def export_hf(spec: ArchSpec, sd: dict[str, torch.Tensor], out_dir: Path) -> Any:
+    def export_hf(self, spec: ArchSpec, sd: dict[str, torch.Tensor], out_dir: Path, engine: str | None = None) -> Any:
         """A Hugging Face directory: Llama / DeciLM ``block_configs`` for dense models, Nemotron-H
-        (Puzzle per-block when heterogeneous) for hybrids."""
+        (Puzzle per-block when heterogeneous) for hybrids, its config written the way ``engine``'s
+        loader reads it (default: the target engine, ``target.engine.name``; see
+        ``export/hf_config.py``), with the configuration / modeling code its ``auto_map`` names."""
+        if engine is None:
+            engine = str(OmegaConf.select(self.cfg, "target.engine.name", default="") or "")
         if spec.is_dense_layered():
             from autocompress_nemo.models.llama.hf_io import export_hf
         else:
             from autocompress_nemo.models.nemotron_h import export_hf
-        return export_hf(spec, sd, out_dir, tokenizer=None)
+        return export_hf(spec, sd, out_dir, tokenizer=None, engine=engine)
 
     @staticmethod
     def forward(model: torch.nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,21 @@ nemotron-nas``, ``DeciLMForCausalLM``) with one ``block_configs`` entry per laye
   ``num_attention_heads`` query heads and ``num_attention_heads / n_heads_in_group`` KV
   heads. The top-level key ``acn_per_layer_query_heads: true`` marks such a config.
 - A removed block is ``no_op: true`` (attention: ``n_heads_in_group: null``).
+
+What a serving engine's loader reads decides what is written (``hf_config_from_spec(spec, engine)``):
+
+- ``vllm`` (``model_executor/models/nemotron_nas.py``): ``ffn.ffn_mult`` *if the key is there*
+  (rounded to 256), else ``ffn.intermediate_size`` (exact): only ``intermediate_size`` is written.
+  KV heads are ``num_attention_heads // n_heads_in_group`` with the global query heads.
+- ``trtllm``: only ``ffn_mult`` (rounded up to a multiple of 256): only ``ffn_mult`` is written,
+  and a width off that grid is refused.
+- Neither reads per-layer query heads: a spec whose query heads differ between layers is refused.
+- Any other engine (``""``, ``llama_cpp``, ``pytorch``, ``roofline``): both keys and the extension.
+
+A DeciLM config carries ``auto_map`` to the configuration / modeling code written next to it
+(``export/hf_code/``), so ``AutoConfig`` / ``AutoModelForCausalLM.from_pretrained(dir,
+trust_remote_code=True)`` read it (transformers has no ``nemotron-nas`` class; nor does vLLM's
+config registry, so vLLM needs ``trust_remote_code=True`` for these directories too).
 """
 
 from __future__ import annotations
@@ -36,6 +51,24 @@ _ARCH_OF_FAMILY = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
 }
 DECI_MODEL_TYPE = "nemotron-nas"
+DECI_AUTO_MAP = {
+    "AutoConfig": "configuration_decilm.DeciLMConfig",
+    "AutoModelForCausalLM": "modeling_decilm.DeciLMForCausalLM",
+}
+GPU_ENGINES = ("vllm", "trtllm")
+"""Engines whose DeciLM loader reads the global query heads and a fixed ffn key (see the module doc)."""
+
+
+def ffn_mult_to_intermediate_size(ffn_mult: float, hidden: int) -> int:
+    """DeciLM's ffn width of ``ffn_mult`` (vLLM ``_ffn_mult_to_intermediate_size``, TensorRT-LLM):
+    ``int(2 * ffn_mult * hidden / 3)`` rounded up to a multiple of 256."""
+    n = int(2 * ffn_mult * hidden / 3)
+    return n if n % 256 == 0 else n + 256 - n % 256
+
+
+def ffn_mult_of(ffn: int, hidden: int) -> float:
+    """The ``ffn_mult`` DeciLM readers turn back into ``ffn`` (when ``ffn`` is a multiple of 256)."""
+    return 1.5 * ffn / hidden
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
@@ -92,9 +125,7 @@ def spec_from_hf_config(cfg: dict[str, Any]) -> ArchSpec:
             elif f.get("intermediate_size"):
                 blocks.append(MlpBlock(int(f["intermediate_size"])))
             else:
-                m = float(f["ffn_mult"])
-                n = int(2 * m * hidden / 3)
-                blocks.append(MlpBlock(n if n % 256 == 0 else n + 256 - n % 256))
+                blocks.append(MlpBlock(ffn_mult_to_intermediate_size(float(f["ffn_mult"]), hidden)))
         return ArchSpec(blocks=tuple(blocks), family="llama", extra=extra, **common)  # type: ignore[arg-type]
     if mt not in _FAMILY_OF_MODEL_TYPE:
         raise ValueError(
@@ -143,8 +174,49 @@ def _base_config(spec: ArchSpec, head_dim: int, heads: int, kv: int, ffn: int) -
     return cfg
 
 
-def hf_config_from_spec(spec: ArchSpec) -> dict[str, Any]:
-    """``config.json`` contents for ``spec``: family config if uniform, DeciLM otherwise."""
+def engine_problems(spec: ArchSpec, engine: str) -> list[str]:
+    """Why ``engine``'s DeciLM loader would not read heterogeneous dense ``spec`` the way it is
+    meant (empty: it would). Only ``vllm`` and ``trtllm`` have rules; see the module doc."""
+    if engine not in GPU_ENGINES:
+        return []
+    out: list[str] = []
+    layers = spec.layers()
+    present = [a for a, _ in layers if not a.removed]
+    if len({a.num_heads for a in present}) > 1:
+        out.append(
+            f"query heads differ between layers ({sorted({a.num_heads for a in present})}): {engine}'s DeciLM "
+            "loader reads one global num_attention_heads (KV heads = num_attention_heads // n_heads_in_group)"
+        )
+    for i, (a, _) in enumerate(layers):
+        if not a.removed and a.num_heads % a.num_kv_groups:
+            out.append(f"layer {i}: {a.num_heads} query heads are not a multiple of {a.num_kv_groups} KV groups")
+    if engine == "trtllm":
+        for i, (_, m) in enumerate(layers):
+            if not m.removed and ffn_mult_to_intermediate_size(ffn_mult_of(m.ffn, spec.hidden), spec.hidden) != m.ffn:
+                out.append(
+                    f"layer {i}: ffn width {m.ffn} is not a multiple of 256: trtllm's DeciLM loader reads only "
+                    "ffn_mult and rounds int(2 * ffn_mult * hidden / 3) up to a multiple of 256 "
+                    "(capabilities.ffn_align: 256)"
+                )
+    if engine == "vllm":
+        # nemotron_nas.DeciModel.forward: a layer with a no-op attention and an ffn, before any layer
+        # has run, calls post_attention_layernorm(hidden, residual=None), which returns one tensor
+        # where two are unpacked
+        first = next(((a, m) for a, m in layers if not (a.removed and m.removed)), None)
+        if first is not None and first[0].removed:
+            out.append(
+                "the first layer that computes anything has no attention: vLLM's DeciLM forward then "
+                "unpacks post_attention_layernorm(x, residual=None) (one tensor) and fails "
+                "(capabilities.first_block_full: true)"
+            )
+    return out
+
+
+def hf_config_from_spec(spec: ArchSpec, engine: str = "") -> dict[str, Any]:
+    """``config.json`` contents for ``spec``: family config if uniform, DeciLM otherwise, written the
+    way ``engine``'s loader reads it (``vllm``: ``intermediate_size``; ``trtllm``: ``ffn_mult``;
+    other engines / ``""``: both, plus per-layer query heads when they differ). Raises naming the
+    engine when its loader cannot read ``spec`` (``engine_problems``)."""
     layers = spec.layers()
     head_dim = layers[0][0].head_dim
     if spec.is_uniform():
@@ -157,6 +229,12 @@ def hf_config_from_spec(spec: ArchSpec) -> dict[str, Any]:
         return cfg
     if spec.extra.get("qk_layernorm") or spec.extra.get("qkv_bias"):
         raise ValueError("a heterogeneous Qwen2/Qwen3 model (qkv bias / q-k norms) has no DeciLM config to export to")
+    problems = engine_problems(spec, engine)
+    if problems:
+        raise ValueError(
+            f"ArchSpec {spec.name!r} cannot be written as a DeciLM config that {engine} reads the same way: "
+            + "; ".join(problems)
+        )
     present = [a for a, _ in layers if not a.removed]
     heads = max((a.num_heads for a in present), default=1)
     varies_q = len({a.num_heads for a in present}) > 1
@@ -173,9 +251,17 @@ def hf_config_from_spec(spec: ArchSpec) -> dict[str, Any]:
             a["num_attention_heads"] = att.num_heads
         f: dict[str, Any] = {"no_op": mlp.removed, "replace_with_linear": False}
         if not mlp.removed:
-            f.update(intermediate_size=mlp.ffn, ffn_mult=1.5 * mlp.ffn / spec.hidden)
+            if engine != "trtllm":
+                f["intermediate_size"] = mlp.ffn
+            if engine != "vllm":  # vLLM takes ffn_mult whenever the key is there
+                f["ffn_mult"] = ffn_mult_of(mlp.ffn, spec.hidden)
         blocks.append({"attention": a, "ffn": f})
-    cfg.update(model_type=DECI_MODEL_TYPE, architectures=["DeciLMForCausalLM"], block_configs=blocks)
+    cfg.update(
+        model_type=DECI_MODEL_TYPE,
+        architectures=["DeciLMForCausalLM"],
+        block_configs=blocks,
+        auto_map=dict(DECI_AUTO_MAP),
+    )
     if varies_q:
         cfg["acn_per_layer_query_heads"] = True
     return cfg

@@ -12,6 +12,32 @@ import torch
 from autocompress_nemo.arch.spec import ArchSpec
 
 SHARD_BYTES = 4 * 1024**3
+HF_CODE_PACKAGE = "autocompress_nemo.export.hf_code"
+"""Where the configuration / modeling files named by a config's ``auto_map`` live (package data)."""
+
+
+def code_files(cfg: dict[str, Any]) -> list[str]:
+    """The ``*.py`` files ``cfg["auto_map"]`` names (``"configuration_decilm.DeciLMConfig"`` ->
+    ``configuration_decilm.py``), in a stable order."""
+    mods = {str(v).split("--")[-1].rsplit(".", 1)[0] for v in (cfg.get("auto_map") or {}).values()}
+    return sorted(f"{m}.py" for m in mods)
+
+
+def write_hf_config(out_dir: str | os.PathLike[str], cfg: dict[str, Any], dtype: str = "float32") -> Path:
+    """Write ``config.json`` (``torch_dtype`` = ``dtype``, a torch dtype name) and the remote-code files
+    its ``auto_map`` names (copied from ``export/hf_code/``) into ``out_dir``; no weights."""
+    from importlib import resources
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = dict(cfg, torch_dtype=dtype)
+    src = resources.files(HF_CODE_PACKAGE)
+    for name in code_files(cfg):
+        if not src.joinpath(name).is_file():
+            raise FileNotFoundError(f"config auto_map names {name}, which {HF_CODE_PACKAGE} does not have")
+        (out / name).write_text(src.joinpath(name).read_text())
+    (out / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
+    return out
 
 
 def write_hf_dir(
@@ -22,13 +48,12 @@ def write_hf_dir(
     tokenizer: Any = None,
     dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Write ``config.json``, ``model.safetensors`` (sharded above 4 GiB, with an index),
-    ``arch.json`` (the spec) and the tokenizer into ``out_dir``."""
+    """Write ``config.json`` (and the remote code its ``auto_map`` names, ``write_hf_config``),
+    ``model.safetensors`` (sharded above 4 GiB, with an index), ``arch.json`` (the spec) and the
+    tokenizer into ``out_dir``."""
     from safetensors.torch import save_file
 
-    cfg = dict(cfg, torch_dtype=str(dtype).removeprefix("torch."))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = write_hf_config(out_dir, cfg, str(dtype).removeprefix("torch."))
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for k in sorted(sd):
@@ -48,7 +73,6 @@ def write_hf_dir(
             save_file(shard, str(out / name), metadata={"format": "pt"})
             weight_map.update({k: name for k in shard})
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (out / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
     (out / "arch.json").write_text(spec.to_json())
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))

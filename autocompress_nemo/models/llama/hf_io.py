@@ -36,8 +36,11 @@ def export_hf(
     out_dir: str | os.PathLike[str],
     tokenizer: Any = None,
     dtype: torch.dtype = torch.float32,
+    engine: str = "",
 ) -> Path | None:
-    """Write ``config.json`` + safetensors (+ tokenizer) for ``spec`` into ``out_dir``.
+    """Write ``config.json`` + safetensors (+ tokenizer) for ``spec`` into ``out_dir``, the config
+    written the way ``engine``'s loader reads it (``arch.convert.hf_config_from_spec``; a DeciLM
+    config comes with its ``auto_map`` configuration / modeling code).
 
     ``model_or_sd`` is a Megatron model (then this is collective over the TP group: call
     it on every rank; rank 0 writes) or a HF Llama-named state dict. Returns the
@@ -50,4 +53,4 @@ def export_hf(
         return None
     if spec.tied_embeddings:
         sd.pop("lm_head.weight", None)
-    return write_hf_dir(out_dir, hf_config_from_spec(spec), sd, spec, tokenizer, dtype)
+    return write_hf_dir(out_dir, hf_config_from_spec(spec, engine), sd, spec, tokenizer, dtype)

@@ -24,9 +24,23 @@ so the function is unchanged), and a MoE block whose routed experts are all remo
 an ``mlp`` block of the shared expert's width. ``export_spec(spec)`` gives that compacted spec
 and the old -> new block index map.
 
-A MoE block without a shared expert is written with ``moe_shared_expert_intermediate_size: 0``;
-transformers' ``NemotronHMoE`` cannot represent it (it falls back to ``intermediate_size`` for
-a width of 0), published checkpoints always have one.
+A MoE block without a shared expert is written with ``moe_shared_expert_intermediate_size: 0`` and
+``n_shared_experts: 0``; transformers' ``NemotronHMoE`` cannot represent it (it falls back to
+``intermediate_size`` for a width of 0), published checkpoints always have one.
+
+A Puzzle config carries ``auto_map`` to ``configuration_nemotron_h_puzzle.NemotronHPuzzleConfig``
+(``export/hf_code/``, written next to it): transformers has no ``nemotron_h_puzzle`` class, and
+vLLM reads every per-block field only through that class's ``get_nemotron_h_config_for_layer``.
+What each engine's loader reads (``hf_config_from_spec(spec, engine)`` refuses the rest):
+
+- ``vllm`` (``model_executor/models/nemotron_h.py``): attention (query / KV heads), MLP
+  (``intermediate_size``) and MoE (experts, expert / shared width, top-k, ``n_shared_experts``,
+  latent) per block, through ``get_nemotron_h_config_for_layer``; Mamba blocks read the global
+  config only (``mamba_num_heads``, ``ssm_state_size``, ``n_groups``).
+- ``trtllm`` (``_torch/models/modeling_nemotron_h.py``): MoE fields per block
+  (``n_routed_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``,
+  ``moe_shared_expert_intermediate_size``, ``moe_latent_size``); attention heads, the MLP width,
+  ``n_shared_experts`` and every Mamba field are global.
 """
 
 from __future__ import annotations
@@ -38,6 +52,7 @@ from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MambaBl
 BLOCK_TYPE = {"mamba": "mamba", "attention": "attention", "mlp": "mlp", "moe": "moe"}
 _PATTERN_TYPE = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 _EXTRA_KEYS = ("routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob")
+PUZZLE_AUTO_MAP = {"AutoConfig": "configuration_nemotron_h_puzzle.NemotronHPuzzleConfig"}
 
 
 def export_spec(spec: ArchSpec) -> tuple[ArchSpec, list[int | None]]:
@@ -64,9 +79,33 @@ def is_uniform(spec: ArchSpec) -> bool:
     return all(not b.removed and seen.setdefault(b.kind, b) == b for b in spec.blocks)
 
 
-def hf_config_from_spec(spec: ArchSpec) -> dict[str, Any]:
-    """The config.json dict of ``spec`` (uniform: NemotronHForCausalLM; else Puzzle). Removed
-    blocks must have been dropped first (``export_spec``)."""
+def engine_problems(spec: ArchSpec, engine: str) -> list[str]:
+    """Why ``engine``'s Nemotron-H Puzzle loader would not read heterogeneous ``spec`` (removed blocks
+    dropped) the way it is meant; empty: it would (or ``engine`` has no rules: not vllm / trtllm)."""
+    if engine not in ("vllm", "trtllm") or is_uniform(spec):
+        return []
+    out: list[str] = []
+
+    def differ(cls: type, fields: tuple[str, ...], why: str) -> None:
+        shapes = {tuple(getattr(b, f) for f in fields) for b in spec.blocks if isinstance(b, cls)}
+        if len(shapes) > 1:
+            out.append(f"{cls.__name__} {'/'.join(fields)} differ between blocks ({sorted(shapes)}): {why}")
+
+    mamba_why = f"{engine}'s Nemotron-H Mamba layer reads the global mamba_num_heads / ssm_state_size / n_groups"
+    differ(MambaBlock, ("num_heads", "head_dim", "state_size", "num_groups", "conv_kernel"), mamba_why)
+    if engine == "trtllm":
+        differ(AttentionBlock, ("num_heads", "num_kv_groups"), "trtllm's Nemotron-H attention reads global heads")
+        differ(MlpBlock, ("ffn",), "trtllm's Nemotron-H MLP layer reads the global intermediate_size")
+        shared = {bool(b.shared_ffn) for b in spec.blocks if isinstance(b, MoeBlock)}
+        if len(shared) > 1:
+            out.append("some MoE blocks have a shared expert and some not: trtllm reads n_shared_experts globally")
+    return out
+
+
+def hf_config_from_spec(spec: ArchSpec, engine: str = "") -> dict[str, Any]:
+    """The config.json dict of ``spec`` (uniform: NemotronHForCausalLM; else Puzzle, with ``auto_map``).
+    Removed blocks must have been dropped first (``export_spec``). Raises naming ``engine`` when its
+    loader cannot read a heterogeneous ``spec`` (``engine_problems``)."""
     if any(b.removed for b in spec.blocks):
         raise ValueError("hf_config_from_spec: drop removed blocks first (nemotron_h.config.export_spec)")
     att, mlp, moe, mam = (_first(spec, c) for c in (AttentionBlock, MlpBlock, MoeBlock, MambaBlock))
@@ -118,7 +157,14 @@ def hf_config_from_spec(spec: ArchSpec) -> dict[str, Any]:
     cfg.update({k: spec.extra[k] for k in _EXTRA_KEYS if k in spec.extra})
     if is_uniform(spec):
         return cfg
+    problems = engine_problems(spec, engine)
+    if problems:
+        raise ValueError(
+            f"ArchSpec {spec.name!r} cannot be written as a Nemotron-H Puzzle config that {engine} reads "
+            "the same way: " + "; ".join(problems)
+        )
     cfg.update(
+        auto_map=dict(PUZZLE_AUTO_MAP),
         architectures=["NemotronHPuzzleForCausalLM"],
         model_type="nemotron_h_puzzle",
         mtp_block_configs=[],
@@ -130,7 +176,7 @@ def hf_config_from_spec(spec: ArchSpec) -> dict[str, Any]:
 
 def _block_config(b: Block, cfg: dict[str, Any]) -> dict[str, Any]:
     if isinstance(b, MoeBlock):
-        return {
+        d = {
             "block_type": "moe",
             "n_routed_experts": b.num_experts,
             "num_experts_per_tok": b.top_k,
@@ -138,6 +184,10 @@ def _block_config(b: Block, cfg: dict[str, Any]) -> dict[str, Any]:
             "moe_shared_expert_intermediate_size": b.shared_ffn,
             "moe_latent_size": b.latent or None,
         }
+        if bool(b.shared_ffn) != bool(cfg.get("n_shared_experts")):
+            # vLLM builds a shared expert from the layer's n_shared_experts (global unless given here)
+            d["n_shared_experts"] = 1 if b.shared_ffn else 0
+        return d
     if isinstance(b, MlpBlock):
         return {"block_type": "mlp", "intermediate_size": b.ffn}
     if isinstance(b, MambaBlock):

@@ -43,8 +43,10 @@ def export_hf(
     out_dir: str | os.PathLike[str],
     tokenizer: Any = None,
     dtype: torch.dtype = torch.float32,
+    engine: str = "",
 ) -> Path | None:
-    """Write ``spec`` (uniform: ``NemotronHForCausalLM``; heterogeneous: Puzzle format) to ``out_dir``.
+    """Write ``spec`` (uniform: ``NemotronHForCausalLM``; heterogeneous: Puzzle format, with its
+    ``auto_map`` configuration code) to ``out_dir``, written the way ``engine``'s loader reads it.
 
     ``model_or_sd`` is a Megatron model (collective over TP/EP: call on every rank; rank 0 writes)
     or a Nemotron-H-named state dict. Removed blocks are dropped (see ``config.py``); the written
@@ -58,7 +60,7 @@ def export_hf(
         # transformers' NemotronH never ties (``_tied_weights_keys = {}``, 5.24): a tied model's file
         # carries the LM head as a copy of the embedding (``load_hf`` drops it again)
         sd[NEMOTRON_H.lm_head] = sd[NEMOTRON_H.embed].clone()
-    return write_hf_dir(out_dir, hf_config_from_spec(new_spec), sd, new_spec, tokenizer, dtype)
+    return write_hf_dir(out_dir, hf_config_from_spec(new_spec, engine), sd, new_spec, tokenizer, dtype)
 
 
 def load_hf(path: str | os.PathLike[str], tokenizer: bool = True) -> tuple[ArchSpec, dict[str, torch.Tensor], Any]:
