@@ -36,6 +36,8 @@ def kind_of(x: Any) -> Kind:
 def decisions(spec: ArchSpec, caps: Any, grid: Grid) -> list[Decision]:
     """Every block's decisions, in block order (a block whose only option is the parent's has none;
     a removed block has none)."""
+    if hasattr(caps, "for_parent"):  # EngineCapabilities: a hybrid parent takes the engine's hybrid set
+        caps = caps.for_parent(spec)
     out: list[Decision] = []
     for i, b in enumerate(spec.blocks):
         if not b.removed:

@@ -7,7 +7,8 @@ that run as separate kernels.
   because the routed cost is *not* additive in them (weights ``E' * F'``; compute ``k' * F'``);
   ordered by total then active parameters, so "one option smaller" is the next cheaper routed
   configuration. Experts are kept in multiples of ``expert_align`` (the engine's, times EP).
-- ``moe_shared``: shared-expert width ``S'`` (``vary_shared_ffn``; 0 allowed).
+- ``moe_shared``: shared-expert width ``S'`` (``vary_shared_ffn``; 0 allowed unless
+  ``remove_shared_expert`` is false).
 
 Option blocks of the parts are the canonical part blocks of ``costs.table.moe_parts`` (the routed
 part has ``shared_ffn = 0``, the shared part ``num_experts = 0``), so the predictor prices each part
@@ -92,7 +93,8 @@ def moe_shared_options(parent: MoeBlock, caps: Any, n_levels: int = 4) -> list[M
     _, shared = moe_parts(parent)
     if not parent.shared_ffn or not caps.vary_shared_ffn:
         return [shared]
-    widths = [0] + levels(parent.shared_ffn, n_levels, caps.ffn_align)
+    removed = [0] if getattr(caps, "remove_shared_expert", True) else []
+    widths = removed + levels(parent.shared_ffn, n_levels, caps.ffn_align)
     return [dataclasses.replace(shared, shared_ffn=w) for w in widths]
 
 

@@ -67,6 +67,36 @@ class EngineCapabilities:
     mlp_with_moe: bool = True
     """A dense MLP block may sit in a model with MoE blocks (llama.cpp ``nemotron_h_moe`` reads every
     feed-forward layer as MoE and refuses a dense ``-`` layer)."""
+    remove_shared_expert: bool = True
+    """An MoE block's shared expert may be removed (width 0) while other blocks keep theirs
+    (TensorRT-LLM reads ``n_shared_experts`` globally: not there)."""
+    hybrid: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the fields above for a Nemotron-H hybrid parent (``is_hybrid_parent``): an engine
+    loads hybrids through another loader (Nemotron-H / Puzzle ``block_configs``) than dense layer
+    stacks (DeciLM), which reads other per-block fields. ``for_parent(parent)`` applies them; the
+    search space (``blocks.decisions``) is built under the result."""
+
+    def __post_init__(self) -> None:
+        names = {f.name for f in dataclasses.fields(self)} - {"hybrid"}
+        unknown = sorted(set(self.hybrid or {}) - names)
+        if unknown:
+            raise ValueError(
+                f"target.engine.capabilities.hybrid has no key {', '.join(map(repr, unknown))}; "
+                f"its keys are {', '.join(sorted(names))}"
+            )
+
+    def for_parent(self, parent: Any) -> EngineCapabilities:
+        """These capabilities with the ``hybrid`` overrides applied when ``parent`` (an ArchSpec) is a
+        Nemotron-H hybrid; as they are otherwise."""
+        if not self.hybrid or not is_hybrid_parent(parent):
+            return self
+        return dataclasses.replace(self, **dict(self.hybrid), hybrid={})
+
+
+def is_hybrid_parent(spec: Any) -> bool:
+    """A parent written as Nemotron-H (Puzzle when heterogeneous): the ``nemotron_h`` family or any
+    stack that is not (attention, mlp) layers, Qwen3-MoE excepted (its own config)."""
+    return spec.family == "nemotron_h" or (spec.family != "qwen3_moe" and not spec.is_dense_layered())
 
 
 @dataclass
