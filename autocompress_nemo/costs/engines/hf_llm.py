@@ -3,10 +3,9 @@ a Hugging Face config directory for an ArchSpec, timed with dummy weights in the
 process (``worker.py``; the timing loop is the worker script's, ``workers/<engine>_worker.py``).
 
 Uniform models are written as ``LlamaForCausalLM``; heterogeneous ones as DeciLM
-(``DeciLMForCausalLM``, ``block_configs`` per layer: ``attention.n_heads_in_group`` or
-``no_op``, ``ffn.ffn_mult`` or ``no_op``), which both engines serve. DeciLM gives the ffn
-width as ``ffn_mult``; the engines compute ``round_up(int(2 * ffn_mult * h / 3), 256)``, so
-widths must be multiples of 256 (``ffn_align``) and ``ffn_mult = 3 * F / (2 * h)``.
+(``DeciLMForCausalLM``, ``block_configs`` per layer), in the form this engine's loader reads
+(``export/hf_config.py``: vLLM gets exact ``intermediate_size`` widths, TensorRT-LLM ``ffn_mult`` on
+the 256 grid; neither gets per-layer query heads).
 
 Timing (in the worker): prefill = the time of ``generate(max_tokens=1)`` for ``batch`` prompts of
 ``input_len`` tokens (time to first token); decode step = ``(T(max_tokens = 1 + n) - T(max_tokens =
@@ -17,7 +16,6 @@ workload's decode context.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -27,57 +25,6 @@ from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.costs import memory as mem
 from autocompress_nemo.costs.engines.base import Engine, Measurement, Workload
 from autocompress_nemo.costs.engines.worker import run_worker, script_command
-
-_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "fp8": "bfloat16"}
-
-
-def write_hf_config(spec: ArchSpec, out_dir: str | Path, dtype: str = "bf16") -> Path:
-    """``config.json`` of a Llama (uniform) or DeciLM (heterogeneous) model of ``spec``."""
-    if not spec.is_dense_layered():
-        raise ValueError(
-            f"only (attention, mlp) layer stacks are written as HF Llama/DeciLM configs, got {spec.pattern!r}"
-        )
-    layers = spec.layers()
-    a0 = next((a for a, _ in layers if not a.removed), layers[0][0])
-    m0 = next((m for _, m in layers if not m.removed), layers[0][1])
-    cfg: dict[str, Any] = {
-        "hidden_size": spec.hidden,
-        "vocab_size": spec.vocab,
-        "num_hidden_layers": len(layers),
-        "num_attention_heads": a0.num_heads,
-        "num_key_value_heads": a0.num_kv_groups,
-        "head_dim": a0.head_dim,
-        "intermediate_size": m0.ffn,
-        "rms_norm_eps": spec.norm_eps,
-        "rope_theta": spec.rope_theta,
-        "max_position_embeddings": spec.max_position,
-        "tie_word_embeddings": spec.tied_embeddings,
-        "hidden_act": "silu",
-        "torch_dtype": _DTYPES.get(dtype, "bfloat16"),
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    if spec.is_uniform():
-        cfg.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
-    else:
-        blocks = []
-        for a, m in layers:
-            att = (
-                {"no_op": True, "replace_with_linear": False, "n_heads_in_group": None}
-                if a.removed
-                else {"no_op": False, "replace_with_linear": False, "n_heads_in_group": a0.num_heads // a.num_kv_groups}
-            )
-            ffn = (
-                {"no_op": True, "replace_with_linear": False, "ffn_mult": None}
-                if m.removed
-                else {"no_op": False, "replace_with_linear": False, "ffn_mult": 3.0 * m.ffn / (2.0 * spec.hidden)}
-            )
-            blocks.append({"attention": att, "ffn": ffn})
-        cfg.update({"architectures": ["DeciLMForCausalLM"], "model_type": "nemotron-nas", "block_configs": blocks})
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    return out
 
 
 class HfLlmEngine(Engine):
@@ -107,8 +54,11 @@ class HfLlmEngine(Engine):
         return out
 
     def write_config(self, spec: ArchSpec, out_dir: Path) -> Path:
-        """The Hugging Face config directory (no weights) the engine loads with dummy weights."""
-        return write_hf_config(spec, out_dir, str(self.cfg.dtype))
+        """The Hugging Face config directory (no weights) the engine loads with dummy weights, written as
+        this engine's loader reads it (``export/hf_config.py``)."""
+        from autocompress_nemo.export.hf_config import write_hf_config_dir
+
+        return write_hf_config_dir(spec, out_dir, self.name, str(self.cfg.dtype))
 
     def call(self, request: dict[str, Any], what: str, log: Any = None) -> dict[str, Any]:
         """One worker call (``worker.run_worker``); remembers the engine version and device it reports."""

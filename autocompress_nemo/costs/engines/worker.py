@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -34,6 +35,8 @@ PROJECT_ROOT = Path(__file__).resolve().parents[3]
 """The checkout (or site-packages) the package lives in: relative ``target.engine.python`` paths are tried there too."""
 STDERR_TAIL = 40
 """Lines of the engine's stderr an error message carries."""
+_CAUSE = re.compile(r"\b[A-Z]\w*(?:Error|Exception)\b: .*")
+"""An exception line anywhere in the engine's stderr (its root cause, often far above the tail)."""
 
 
 class EngineWorkerError(RuntimeError):
@@ -120,19 +123,24 @@ def run_worker(
     tail: deque[str] = deque(maxlen=STDERR_TAIL)
     proc = subprocess.Popen(
         argv,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,  # vLLM's worker processes log to stdout: one stream, in order
+        stderr=subprocess.STDOUT,
         text=True,
         errors="replace",
         start_new_session=True,
         env={**os.environ, **(env or {})},
     )
 
+    causes: list[str] = []  # the engine's error lines, which a long shutdown log pushes out of the tail
+
     def pump() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
+        assert proc.stdout is not None
+        for line in proc.stdout:
             line = line.rstrip("\n")
             tail.append(line)
+            m = _CAUSE.search(line)
+            if m and len(causes) < 8 and m.group(0) not in causes:
+                causes.append(m.group(0))
             if log is not None and line.startswith("[worker] "):  # the worker's progress lines
                 log(line.removeprefix("[worker] "))
 
@@ -161,7 +169,13 @@ def run_worker(
     if resp is not None and resp.get("ok"):
         return resp
     why = resp["error"] if resp is not None else (_signal_name(rc) if rc < 0 else f"exit code {rc}, no response")
-    raise EngineWorkerError(f"{engine} failed on {what}: {why}; the engine's last stderr lines:\n" + "\n".join(tail))
+    cause = "".join(f"\n  {c}" for c in causes if c not in why)
+    raise EngineWorkerError(
+        f"{engine} failed on {what}: {why}"
+        + (f"\nthe engine's error lines:{cause}" if cause else "")
+        + "\nthe engine's last stderr lines:\n"
+        + "\n".join(tail)
+    )
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:

@@ -6,7 +6,7 @@ Tasks (protocol: ``_protocol.py``):
   for ``batch`` prompts of ``input_len`` tokens (time to first token); decode step =
   ``(T(1 + n) - T(1)) / n`` paired per repeat, ``n = decode_steps``. Prefix caching is off and every
   call gets fresh random prompts, so no prefill is served from a cache. Memory through vLLM's API:
-  weights = the bytes of the loaded model's parameters and buffers in the worker
+  weights = the bytes of the loaded model's parameters in the worker
   (``LLM.collective_rpc``), KV = the bytes per token of the KV cache vLLM allocated (its
   ``kv_cache_config``) x ``context_len`` x ``batch``, compute = the CUDA allocator's peak over the
   timed runs (the CPU build reports none: 0, its resident-set growth kept as ``engine_report``).
@@ -70,11 +70,10 @@ def _llm(req: dict[str, Any], dummy: bool, max_logprobs: int = 20) -> Any:
     )
     if dummy:
         kw["load_format"] = "dummy"
-    kv_bytes = int(req.get("kv_cache_bytes") or 0)
     if cuda:
         kw["gpu_memory_utilization"] = float(eng.get("kv_cache_fraction", 0.9))
-    elif kv_bytes:
-        kw["kv_cache_memory_bytes"] = kv_bytes  # explicit: no 20 GiB pool, and vLLM skips its CPU warm-up
+    else:  # explicit: no pool of 92 % of the machine's memory (refused when it is busy), no CPU warm-up
+        kw["kv_cache_memory_bytes"] = int(req.get("kv_cache_bytes") or 64 * 2**20)
     return LLM(**kw)
 
 
@@ -82,11 +81,32 @@ def _worker_memory(worker: Any) -> dict[str, float]:
     """Runs inside vLLM's worker process (``collective_rpc``): what the loaded model and its KV cache hold."""
     import psutil
 
+    import torch
+
     model = worker.model_runner.model
+    # parameters only: buffers are caches (the RoPE cos/sin table), not weights
     weights = sum(t.numel() * t.element_size() for t in model.parameters())
-    weights += sum(t.numel() * t.element_size() for t in model.buffers())
+    for m in model.modules():  # CPU: linear weights repacked for oneDNN / sgl-kernel leave an empty parameter
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor) and w.numel() == 0 and hasattr(m, "input_size_per_partition"):
+            elt = torch.empty(0, dtype=getattr(m, "params_dtype", None) or w.dtype).element_size()
+            weights += int(m.input_size_per_partition) * int(m.output_size_per_partition) * elt
+    storages: dict[int, int] = {}  # the KV tensors are views of shared buffers: count each buffer once
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            st = x.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(worker.model_runner.kv_caches)
     kvc = worker.model_runner.kv_cache_config
-    kv_total = float(sum(t.size for t in kvc.kv_cache_tensors))
+    kv_total = float(sum(storages.values()))
     blocks = int(kvc.num_blocks)
     block_size = int(worker.cache_config.block_size)
     import torch
@@ -154,7 +174,8 @@ def measure(req: dict[str, Any]) -> dict[str, Any]:
         "samples": {"prefill_ms": pre, "decode_ms": dec, "generate_ms": full},
         "memory": memory,
         "memory_source": {
-            "weights": "vLLM worker: bytes of the loaded model's parameters and buffers",
+            "weights": "vLLM worker: bytes of the loaded model's parameters (CPU: repacked linear "
+            "weights counted from their layers' shapes)",
             "kv": f"vLLM kv_cache_config: {per_token:.1f} bytes/token x context_len x batch",
             "compute": "vLLM worker: torch.cuda peak over the timed runs above the memory held before them"
             if cuda
