@@ -80,7 +80,6 @@ def _llm(req: dict[str, Any], dummy: bool, max_logprobs: int = 20) -> Any:
 def _worker_memory(worker: Any) -> dict[str, float]:
     """Runs inside vLLM's worker process (``collective_rpc``): what the loaded model and its KV cache hold."""
     import psutil
-
     import torch
 
     model = worker.model_runner.model
@@ -109,8 +108,6 @@ def _worker_memory(worker: Any) -> dict[str, float]:
     kv_total = float(sum(storages.values()))
     blocks = int(kvc.num_blocks)
     block_size = int(worker.cache_config.block_size)
-    import torch
-
     cuda = torch.cuda.is_available()
     return {
         "weights": float(weights),
