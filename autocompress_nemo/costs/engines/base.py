@@ -138,7 +138,7 @@ def capability_problems(spec: ArchSpec, caps: Any, parent: ArchSpec | None = Non
     When ``parent`` is given, per-block differences are judged against it (vary_* flags);
     otherwise against the first block of each kind.
     """
-    caps = capabilities_of(caps)
+    caps = capabilities_of(caps).for_parent(parent or spec)  # a hybrid's own override set (Nemotron-H loader)
     out: list[str] = []
     kinds = set(caps.block_kinds)
     for k in sorted(spec.kinds() - kinds):

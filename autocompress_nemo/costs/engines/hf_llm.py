@@ -120,3 +120,17 @@ class HfLlmEngine(Engine):
         )
         self.last_report = {k: resp.get(k) for k in ("memory_source", "engine_report", "load_s", "version", "device")}
         return m
+
+    def prompt_logprobs(self, model_dir: str | Path, tokens: list[int], top_k: int = 20) -> list[dict[int, float]]:
+        """The engine's top-``top_k`` log-probabilities at every prompt position of ``tokens`` for the model
+        in ``model_dir`` with its real weights (row ``p`` predicts ``tokens[p]``; row 0 is empty)."""
+        req = {
+            "task": "logits",
+            "model": str(model_dir),
+            "engine": self.engine_dict(),
+            "workload": {"batch": 1, "input_len": len(tokens), "output_len": 1, "context_len": len(tokens) + 16},
+            "tokens": [int(t) for t in tokens],
+            "top_k": int(top_k),
+        }
+        rows = self.call(req, f"the exported {Path(model_dir).name}")["prompt_logprobs"]
+        return [{int(t): float(v) for t, v in r.items()} for r in rows]

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -142,7 +143,7 @@ class LlamaCppEngine(CpuTimedEngine):
         self._workdir = Path(workdir) if workdir else None
         self.runs = 0
         self.in_worker = in_worker
-        """True in the worker process (``llamacpp_child worker``), which times the files; the parent
+        """True in the worker process (``python -m ...engines.llamacpp``), which times the files; the parent
         writes them and sends them there (``worker.py``)."""
 
     @property
@@ -313,7 +314,7 @@ class LlamaCppEngine(CpuTimedEngine):
         what = ", ".join(s.name or "model" for s in specs[:4]) + (f" (+{len(specs) - 4})" if len(specs) > 4 else "")
         resp = run_worker(
             self.cfg,
-            [*module_command(self.cfg, "autocompress_nemo.costs.engines.llamacpp_child"), "worker"],
+            module_command(self.cfg, "autocompress_nemo.costs.engines.llamacpp"),
             req,
             self.workdir,
             what=what,
@@ -516,3 +517,29 @@ def _ggml_type(name: str) -> int:
     if name not in ids:
         raise ValueError(f"engine.kv_dtype {name!r} not supported by llama.cpp here; use one of {sorted(ids)}")
     return ids[name]
+
+
+def _measure_many(req: dict[str, Any]) -> dict[str, Any]:
+    """The worker task: time the GGUF files of ``req`` (written by the parent) in this process."""
+    from types import SimpleNamespace
+
+    eng = LlamaCppEngine(req["engine"], SimpleNamespace(**req["hardware"]), req["workdir"], in_worker=True)
+    ref = ArchSpec.from_dict(req["reference"]) if req.get("reference") else None
+    out = eng.time_files(
+        [ArchSpec.from_dict(d) for d in req["specs"]],
+        [Path(p) for p in req["paths"]],
+        Workload(**req["workload"]),
+        reference=ref,
+        reference_path=Path(req["reference_path"]) if req.get("reference_path") else None,
+        rounds=req.get("rounds"),
+        timing=bool(req.get("timing", True)),
+        log=lambda m: print(f"[worker] {m}", file=sys.stderr, flush=True),
+        scale=req.get("scale"),
+    )
+    return {"measurements": [m.to_dict() for m in out], "runs": eng.runs, "version": eng.version()}
+
+
+if __name__ == "__main__":  # the engine worker (costs/engines/worker.py): python -m ...llamacpp REQUEST RESPONSE
+    from autocompress_nemo.costs.engines.workers._protocol import serve
+
+    sys.exit(serve({"measure_many": _measure_many}))

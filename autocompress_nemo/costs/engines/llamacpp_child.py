@@ -10,10 +10,7 @@ child interpreter, so a crash becomes a Python error naming the signal instead o
   forward; F32 KV cache and flash attention off by default: each otherwise adds ~1e-3 logit error);
 - ``probe_load(path, n_ctx, n_seq)``: load, create a context, decode one token; raises on failure.
 
-- ``worker REQUEST RESPONSE``: the engine worker of ``LlamaCppEngine.measure_many`` (``worker.py``):
-  times the GGUF files the parent wrote, with their reference, in interleaved rounds.
-
-Run as ``python -m autocompress_nemo.costs.engines.llamacpp_child {logits|probe|worker} ...``.
+Run as ``python -m autocompress_nemo.costs.engines.llamacpp_child {logits|probe} ...``.
 """
 
 from __future__ import annotations
@@ -99,35 +96,7 @@ def _decode(L, ctx, tokens: list[int], all_logits: bool) -> None:  # noqa: ANN00
         raise SystemExit(f"llama_decode returned {rc}")
 
 
-def _measure_many(req: dict) -> dict:
-    """The worker task: time the GGUF files of ``req`` (written by the parent) in this process."""
-    from types import SimpleNamespace
-
-    from autocompress_nemo.arch.spec import ArchSpec
-    from autocompress_nemo.costs.engines.base import Workload
-    from autocompress_nemo.costs.engines.llamacpp import LlamaCppEngine
-
-    eng = LlamaCppEngine(req["engine"], SimpleNamespace(**req["hardware"]), req["workdir"], in_worker=True)
-    ref = ArchSpec.from_dict(req["reference"]) if req.get("reference") else None
-    out = eng.time_files(
-        [ArchSpec.from_dict(d) for d in req["specs"]],
-        [Path(p) for p in req["paths"]],
-        Workload(**req["workload"]),
-        reference=ref,
-        reference_path=Path(req["reference_path"]) if req.get("reference_path") else None,
-        rounds=req.get("rounds"),
-        timing=bool(req.get("timing", True)),
-        log=lambda m: print(f"[worker] {m}", file=sys.stderr, flush=True),
-        scale=req.get("scale"),
-    )
-    return {"measurements": [m.to_dict() for m in out], "runs": eng.runs, "version": eng.version()}
-
-
 def _main(argv: list[str]) -> None:
-    if argv and argv[0] == "worker":  # the engine worker protocol (costs/engines/worker.py)
-        from autocompress_nemo.costs.engines.workers._protocol import serve
-
-        raise SystemExit(serve({"measure_many": _measure_many}, ["llamacpp_child", *argv[1:]]))
     cmd, path, spec = argv[0], argv[1], json.loads(argv[2])
     if cmd == "probe":
         L, model, ctx = _load(path, int(spec["n_ctx"]), int(spec["n_seq"]), 1, 1, 1)
