@@ -17,6 +17,11 @@ parent decode time and memory: what the quantized deployment buys on this CPU. `
 ``--f16-table PATH`` validate existing tables (a run's ``profile/cost_table/cost_table.json``) instead of
 profiling them again; ``--no-f16`` skips the F16 side.
 
+A vLLM target (``+target=cpu_vllm_chat``, issue 13) is compared with llama.cpp on the same machine:
+both tables (``--table PATH`` / ``--llama-table PATH`` reuse existing ones) validated on the same
+held-out full models, drawn from the search space both engines serve (vLLM's DeciLM loader and
+llama.cpp's ``deci``), printed side by side (``by_engine``) with each engine's parent figures.
+
 Prints: wall time to build the table, number of engine runs (profiling and validation),
 validation errors (mean absolute % error of decode, prefill, response latency and memory over
 the validation models, none of them used to build the table) and the machine load
@@ -142,6 +147,9 @@ def main(argv: list[str]) -> dict:
     no_f16 = "--no-f16" in argv
     overrides = [a for a in argv if a != "--no-f16"] or ["+target=cpu_chat"]
     cfg = compose(overrides)
+    if str(cfg.target.engine.name) == "vllm":
+        llama_table, _ = _take(sys.argv[1:], "--llama-table")
+        return vs_llama_cpp(cfg, overrides, Path(table) if table else None, Path(llama_table) if llama_table else None)
     dtype = str(cfg.target.engine.get("dtype", "f16"))
     if str(cfg.target.engine.name) != "llama_cpp" or dtype in ("f16", "f32") or no_f16:
         return one_table(cfg, Path(table) if table else None)
@@ -161,6 +169,67 @@ def main(argv: list[str]) -> dict:
             "tables' reference units: the parent's 10th-percentile time in that profile)",
         },
         "goals_pct": {"decode": 3.0, "prefill": 5.0, "memory": 1.0},
+    }
+    print(json.dumps(result, indent=1))
+    return result
+
+
+def _parent_row(path: Path) -> dict | None:
+    """The parent's measured decode / prefill / memory in a validation report."""
+    rows = json.loads(path.read_text()).get("rows", [])
+    for r in rows:
+        if r.get("name") == "parent":
+            return {k: r[f"meas_{k}"] for k in ("decode_ms", "prefill_ms", "memory_bytes")}
+    return None
+
+
+def vs_llama_cpp(cfg, overrides: list[str], table: Path | None, llama_table: Path | None) -> dict:
+    """The vLLM target's table and the llama.cpp one (the same model and workload, engine llama_cpp_cpu)
+    validated on the same held-out models, which both engines serve."""
+    from autocompress_nemo.config.resolve import search_capabilities
+    from autocompress_nemo.costs.engines import get_engine
+    from autocompress_nemo.profile import validate as val
+    from autocompress_nemo.profile.stage import parent_spec
+
+    llama = compose([*overrides, "engine@target.engine=llama_cpp_cpu"])
+    parent = parent_spec(cfg)
+    n = int(cfg.target.engine.settings.validate_random)
+    pool = val.candidates(parent, search_capabilities(cfg), 4 * n, int(cfg.seed), int(cfg.search.ffn_options))
+    ll = get_engine(llama.target)
+    specs = [s for s in pool if not ll.check_servable(s, parent)]
+    specs = specs[: n + 3]  # the parent, uniform shrinks, layer removals, random heterogeneous models
+    sides = {}
+    for name, c, t in (("vllm", cfg, table), ("llama_cpp", llama, llama_table)):
+        out = Path(tempfile.mkdtemp(prefix=f"acn-bench-profile-{name}-"))
+        t0 = time.time()
+        table_path = t or run_profile(c, out)
+        t_table = time.time() - t0
+        summary = run_validate(c, table_path, out, specs=specs)
+        errs, prov = summary["errors"], json.loads(table_path.read_text())["provenance"]
+        sides[name] = {
+            "target": str(c.target.name),
+            "engine": prov["engine_version"],
+            "measured_in": f"{prov['engine_version']} on {prov['device']} (this machine)",
+            "table_given": t is not None,
+            "table_wall_s": round(t_table, 1),
+            "profile_models": prov["profile_models"],
+            "validation_wall_s": summary.get("wall_s"),
+            "decode_mape_pct": round(errs["decode_ms"]["mape"], 2),
+            "decode_max_ape_pct": round(errs["decode_ms"]["max_ape"], 2),
+            "prefill_mape_pct": round(errs["prefill_ms"]["mape"], 2),
+            "prefill_max_ape_pct": round(errs["prefill_ms"]["max_ape"], 2),
+            "memory_mape_pct": round(errs["memory_bytes"]["mape"], 3),
+            "memory_max_ape_pct": round(errs["memory_bytes"]["max_ape"], 3),
+            "parent_measured": _parent_row(Path(summary["files"]["json"])),
+            "out_dir": str(out),
+        }
+    result = {
+        "model": str(cfg.model.name),
+        "workload": {k: int(cfg.target.workload[k]) for k in ("batch", "input_len", "output_len", "context_len")},
+        "held_out_models": [{"name": s.name, "pattern": s.pattern, "layers": s.num_layers} for s in specs],
+        "by_engine": sides,
+        "loadavg_after": loadavg(),
+        "cpu_count": os.cpu_count(),
     }
     print(json.dumps(result, indent=1))
     return result

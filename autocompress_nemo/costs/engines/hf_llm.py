@@ -121,6 +121,29 @@ class HfLlmEngine(Engine):
         self.last_report = {k: resp.get(k) for k in ("memory_source", "engine_report", "load_s", "version", "device")}
         return m
 
+    def measure_many(
+        self,
+        specs: list[ArchSpec],
+        workload: Workload,
+        *,
+        rounds: int | None = None,
+        log: Any = None,
+        reference: ArchSpec | None = None,
+        scale: dict[str, float] | None = None,
+    ) -> list[Measurement]:
+        """One worker process per model, one after the other (no reference timed: the results carry no
+        ratio); ``log`` hears of each as it ends."""
+        out = []
+        for s in specs:
+            m = self.measure(s, workload)
+            out.append(m)
+            if log is not None:
+                log(
+                    f"{s.name or 'model'}: prefill {m.prefill_ms:.2f} ms, decode {m.decode_ms:.3f} ms, "
+                    f"load {float(self.last_report.get('load_s') or 0):.0f} s"
+                )
+        return out
+
     def prompt_logprobs(self, model_dir: str | Path, tokens: list[int], top_k: int = 20) -> list[dict[int, float]]:
         """The engine's top-``top_k`` log-probabilities at every prompt position of ``tokens`` for the model
         in ``model_dir`` with its real weights (row ``p`` predicts ``tokens[p]``; row 0 is empty)."""

@@ -72,7 +72,7 @@ def launch_prefix(cfg: Any) -> list[str]:
             f"target.engine.container={image!r} needs a Slurm allocation (srun --container-image, pyxis); outside "
             "Slurm set target.engine.python to a local interpreter that has the engine instead"
         )
-    cmd = ["srun", "--ntasks=1", "--nodes=1", "--overlap", f"--container-image={image}"]
+    cmd = ["srun", "--ntasks=1", "--nodes=1", "--overlap", f"--container-image={image}", f"--container-workdir={os.getcwd()}"]
     mounts = str(getattr(cfg, "container_mounts", "") or "")
     if mounts:
         cmd.append(f"--container-mounts={mounts}")
