@@ -176,7 +176,9 @@ def test_torch_eager_routes_batch_times_top_k_tokens_per_decode_step() -> None:
         handle = torch.nn.modules.module.register_module_forward_hook(record)
         try:
             t = _eager_target(batch, 32)
-            get_engine(t).measure_many([spec], Workload.from_config(t.workload), rounds=1)
+            eng = get_engine(t)
+            eng.in_worker = True  # time in this process (not the engine's worker), where the hook sees the experts
+            eng.measure_many([spec], Workload.from_config(t.workload), rounds=1)
         finally:
             handle.remove()
         decode = [s for s in slots if s[0] == batch]  # one token per sequence

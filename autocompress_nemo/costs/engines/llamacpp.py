@@ -289,40 +289,20 @@ class LlamaCppEngine(CpuTimedEngine):
     ) -> list[Measurement]:
         """The written files timed in the engine's worker process (their interleaved rounds and the
         reference with them: one process holds the models timed together, as the ratios need)."""
-        import dataclasses
+        from autocompress_nemo.costs.engines.worker import call_project_worker, project_request
 
-        from autocompress_nemo.costs.engines.worker import module_command, run_worker
-
-        hw = self.hardware
-        req = {
-            "task": "measure_many",
-            "engine": dataclasses.asdict(self.cfg),
-            "hardware": {
-                "threads": int(getattr(hw, "threads", 0) or 0),
-                "device": str(getattr(hw, "device", "") or ""),
-            },
-            "specs": [s.to_dict() for s in specs],
-            "paths": [str(p) for p in paths],
-            "reference": reference.to_dict() if reference_path is not None and reference is not None else None,
-            "reference_path": str(reference_path) if reference_path is not None else None,
-            "workload": dataclasses.asdict(workload),
-            "rounds": rounds,
-            "timing": timing,
-            "scale": scale,
-            "workdir": str(self.workdir),
-        }
-        what = ", ".join(s.name or "model" for s in specs[:4]) + (f" (+{len(specs) - 4})" if len(specs) > 4 else "")
-        resp = run_worker(
-            self.cfg,
-            module_command(self.cfg, "autocompress_nemo.costs.engines.llamacpp"),
-            req,
-            self.workdir,
-            what=what,
-            log=log,
+        req = project_request(
+            self,
+            specs,
+            workload,
+            paths=[str(p) for p in paths],
+            reference=reference.to_dict() if reference_path is not None and reference is not None else None,
+            reference_path=str(reference_path) if reference_path is not None else None,
+            rounds=rounds,
+            timing=timing,
+            scale=scale,
         )
-        self.runs += int(resp.get("runs", 0))
-        names = {f.name for f in dataclasses.fields(Measurement)}
-        return [Measurement(**{k: v for k, v in d.items() if k in names}) for d in resp["measurements"]]
+        return call_project_worker(self, "autocompress_nemo.costs.engines.llamacpp", req, log)
 
     def time_files(
         self,
@@ -521,9 +501,9 @@ def _ggml_type(name: str) -> int:
 
 def _measure_many(req: dict[str, Any]) -> dict[str, Any]:
     """The worker task: time the GGUF files of ``req`` (written by the parent) in this process."""
-    from types import SimpleNamespace
+    from autocompress_nemo.costs.engines.worker import measurements_response, worker_engine, worker_log
 
-    eng = LlamaCppEngine(req["engine"], SimpleNamespace(**req["hardware"]), req["workdir"], in_worker=True)
+    eng = worker_engine(LlamaCppEngine, req)
     ref = ArchSpec.from_dict(req["reference"]) if req.get("reference") else None
     out = eng.time_files(
         [ArchSpec.from_dict(d) for d in req["specs"]],
@@ -533,10 +513,10 @@ def _measure_many(req: dict[str, Any]) -> dict[str, Any]:
         reference_path=Path(req["reference_path"]) if req.get("reference_path") else None,
         rounds=req.get("rounds"),
         timing=bool(req.get("timing", True)),
-        log=lambda m: print(f"[worker] {m}", file=sys.stderr, flush=True),
+        log=worker_log,
         scale=req.get("scale"),
     )
-    return {"measurements": [m.to_dict() for m in out], "runs": eng.runs, "version": eng.version()}
+    return measurements_response(eng, out)
 
 
 if __name__ == "__main__":  # the engine worker (costs/engines/worker.py): python -m ...llamacpp REQUEST RESPONSE

@@ -46,8 +46,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -184,9 +188,21 @@ class TorchEagerEngine(CpuTimedEngine):
     name = "torch_eager"
     decode_steps = 60
 
-    def __init__(self, cfg: Any, hardware: Any = None, workdir: Any = None) -> None:
+    def __init__(self, cfg: Any, hardware: Any = None, workdir: Any = None, *, in_worker: bool = False) -> None:
         super().__init__(cfg, hardware)
         self.runs = 0
+        self._workdir = Path(workdir) if workdir else None
+        self.in_worker = in_worker
+        """True in the worker process (``python -m ...engines.torch_eager``), which times; the parent sends
+        the models there (``worker.py``), so the timed PyTorch is never the training interpreter's."""
+
+    @property
+    def workdir(self) -> Path:
+        """Where requests and weight files for the worker go (a temporary directory unless given)."""
+        if self._workdir is None:
+            self._workdir = Path(tempfile.mkdtemp(prefix="acn-torch-eager-"))
+        self._workdir.mkdir(parents=True, exist_ok=True)
+        return self._workdir
 
     def version(self) -> str:
         import transformers
@@ -247,6 +263,8 @@ class TorchEagerEngine(CpuTimedEngine):
         weights = weights or [None] * len(specs)
         for s in specs:
             self.require_servable(s)
+        if not self.in_worker:
+            return self._in_worker(specs, workload, weights, rounds, timing, log, reference, scale)
         cpu_clock = self.clock() == "thread_cpu"
         old_threads = torch.get_num_threads()
         torch.set_num_threads(self.threads())
@@ -287,6 +305,47 @@ class TorchEagerEngine(CpuTimedEngine):
                 )
         finally:
             torch.set_num_threads(old_threads)
+
+    def _in_worker(
+        self,
+        specs: list[ArchSpec],
+        workload: Workload,
+        weights: list[dict[str, Any] | None],
+        rounds: int | None,
+        timing: bool,
+        log: Any,
+        reference: ArchSpec | None,
+        scale: dict[str, float] | None,
+    ) -> list[Measurement]:
+        """``measure_many`` in the engine's worker process; given weights travel as safetensors files."""
+        from safetensors.torch import save_file
+
+        from autocompress_nemo.costs.engines.worker import call_project_worker, project_request
+
+        files: list[str | None] = []
+        for i, sd in enumerate(weights):
+            if sd is None:
+                files.append(None)
+                continue
+            f = self.workdir / f"weights-{os.getpid()}-{i}.safetensors"
+            save_file({k: torch.as_tensor(v).contiguous() for k, v in sd.items()}, str(f))
+            files.append(str(f))
+        req = project_request(
+            self,
+            specs,
+            workload,
+            weights=files,
+            reference=reference.to_dict() if reference is not None else None,
+            rounds=rounds,
+            timing=timing,
+            scale=scale,
+        )
+        try:
+            return call_project_worker(self, "autocompress_nemo.costs.engines.torch_eager", req, log)
+        finally:
+            for f in files:
+                if f:
+                    Path(f).unlink(missing_ok=True)
 
     def _groups(self, specs: list[ArchSpec]) -> list[list[int]]:
         """Consecutive groups of models whose weights together fit ``settings.hold_bytes``."""
@@ -376,3 +435,29 @@ class _Live:
 
     def close(self) -> None:
         self.model = self.cache = None
+
+
+def _measure_many(req: dict[str, Any]) -> dict[str, Any]:
+    """The worker task: time the models of ``req`` in this process."""
+    from safetensors.torch import load_file
+
+    from autocompress_nemo.costs.engines.worker import measurements_response, worker_engine, worker_log
+
+    eng = worker_engine(TorchEagerEngine, req)
+    out = eng.measure_many(
+        [ArchSpec.from_dict(d) for d in req["specs"]],
+        Workload(**req["workload"]),
+        rounds=req.get("rounds"),
+        weights=[load_file(f) if f else None for f in req["weights"]],
+        timing=bool(req.get("timing", True)),
+        log=worker_log,
+        reference=ArchSpec.from_dict(req["reference"]) if req.get("reference") else None,
+        scale=req.get("scale"),
+    )
+    return measurements_response(eng, out)
+
+
+if __name__ == "__main__":  # the engine worker (costs/engines/worker.py): python -m ...torch_eager REQUEST RESPONSE
+    from autocompress_nemo.costs.engines.workers._protocol import serve
+
+    sys.exit(serve({"measure_many": _measure_many}))

@@ -72,7 +72,14 @@ def launch_prefix(cfg: Any) -> list[str]:
             f"target.engine.container={image!r} needs a Slurm allocation (srun --container-image, pyxis); outside "
             "Slurm set target.engine.python to a local interpreter that has the engine instead"
         )
-    cmd = ["srun", "--ntasks=1", "--nodes=1", "--overlap", f"--container-image={image}", f"--container-workdir={os.getcwd()}"]
+    cmd = [
+        "srun",
+        "--ntasks=1",
+        "--nodes=1",
+        "--overlap",
+        f"--container-image={image}",
+        f"--container-workdir={os.getcwd()}",
+    ]
     mounts = str(getattr(cfg, "container_mounts", "") or "")
     if mounts:
         cmd.append(f"--container-mounts={mounts}")
@@ -197,3 +204,53 @@ def script_command(cfg: Any, script: str, workdir: Path) -> list[str]:
 def module_command(cfg: Any, module: str) -> list[str]:
     """The command of a worker that is a project module (engines installed with the project: llama.cpp)."""
     return [engine_python(cfg), "-m", module]
+
+
+# -- engines installed with the project (llama.cpp, PyTorch eager): the worker is their own module --------
+
+
+def project_request(engine: Any, specs: list[Any], workload: Any, **fields: Any) -> dict[str, Any]:
+    """A ``measure_many`` request for an engine whose worker is a project module (``python -m <module>``):
+    the engine config, the hardware fields the timing reads, the specs and workload, and ``fields``."""
+    import dataclasses
+
+    hw = engine.hardware
+    return {
+        "task": "measure_many",
+        "engine": dataclasses.asdict(engine.cfg),
+        "hardware": {"threads": int(getattr(hw, "threads", 0) or 0), "device": str(getattr(hw, "device", "") or "")},
+        "specs": [s.to_dict() for s in specs],
+        "workload": dataclasses.asdict(workload),
+        "workdir": str(engine.workdir),
+        **fields,
+    }
+
+
+def call_project_worker(engine: Any, module: str, request: dict[str, Any], log: Any = None) -> list[Any]:
+    """Run ``request`` in ``python -m module`` under the engine's interpreter; its measurements."""
+    import dataclasses
+
+    from autocompress_nemo.costs.engines.base import Measurement
+
+    specs = request["specs"]
+    what = ", ".join(s.get("name") or "model" for s in specs[:4]) + (f" (+{len(specs) - 4})" if len(specs) > 4 else "")
+    resp = run_worker(engine.cfg, module_command(engine.cfg, module), request, engine.workdir, what=what, log=log)
+    engine.runs += int(resp.get("runs", 0))
+    names = {f.name for f in dataclasses.fields(Measurement)}
+    return [Measurement(**{k: v for k, v in d.items() if k in names}) for d in resp["measurements"]]
+
+
+def worker_engine(cls: type, req: dict[str, Any]) -> Any:
+    """In the worker process: the engine of ``req`` (``in_worker=True``: it times, it does not delegate)."""
+    from types import SimpleNamespace
+
+    return cls(req["engine"], SimpleNamespace(**req["hardware"]), req["workdir"], in_worker=True)
+
+
+def worker_log(message: str) -> None:
+    """A progress line from the worker, which the parent's ``log`` hears (``run_worker``)."""
+    print(f"[worker] {message}", file=sys.stderr, flush=True)
+
+
+def measurements_response(engine: Any, measurements: list[Any]) -> dict[str, Any]:
+    return {"measurements": [m.to_dict() for m in measurements], "runs": engine.runs, "version": engine.version()}
