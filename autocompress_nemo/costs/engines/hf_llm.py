@@ -44,15 +44,6 @@ class HfLlmEngine(Engine):
         self.last_report: dict[str, Any] = {}
         """What the worker said of its last measurement besides timings and memory (how memory was read)."""
 
-    def check_servable(self, spec: ArchSpec, parent: ArchSpec | None = None) -> list[str]:
-        out = super().check_servable(spec, parent)
-        if not spec.is_dense_layered():
-            out.append(
-                f"{self.name} adapter here writes Llama/DeciLM configs only; {spec.pattern!r} needs a "
-                "Nemotron-H config writer"
-            )
-        return out
-
     def write_config(self, spec: ArchSpec, out_dir: Path) -> Path:
         """The Hugging Face config directory (no weights) the engine loads with dummy weights, written as
         this engine's loader reads it (``export/hf_config.py``)."""
@@ -86,7 +77,10 @@ class HfLlmEngine(Engine):
     def device(self) -> str:
         return self._device or super().device()
 
-    def measure(self, spec: ArchSpec, workload: Workload, weights: dict[str, np.ndarray] | None = None) -> Measurement:
+    def measure(
+        self, spec: ArchSpec, workload: Workload, weights: dict[str, np.ndarray] | None = None, *, timing: bool = True
+    ) -> Measurement:
+        """One model in one worker process; ``timing=False``: load and read the memory only."""
         self.require_servable(spec)
         if weights is not None:
             raise ValueError(f"{self.name} profiling uses dummy weights; export real weights through the export stage")
@@ -104,7 +98,7 @@ class HfLlmEngine(Engine):
                 "output_len": workload.output_len,
                 "context_len": workload.context_len,
             },
-            "timing": {"repeats": max(1, int(self.cfg.repeats)), "decode_steps": n, "warmup": 1},
+            "timing": {"repeats": max(1, int(self.cfg.repeats)) if timing else 0, "decode_steps": n, "warmup": 1},
             # CPU: a KV pool of what the workload needs (and some), not the machine's memory
             "kv_cache_bytes": int(max(2 * kv, 64 * 2**20)),
         }
@@ -112,7 +106,7 @@ class HfLlmEngine(Engine):
         self.runs += 1
         samples = resp["samples"]
         m = Measurement.from_samples(
-            {"prefill_ms": samples["prefill_ms"], "decode_ms": samples["decode_ms"]},
+            {"prefill_ms": samples["prefill_ms"], "decode_ms": samples["decode_ms"]} if timing else {},
             float(self.cfg.percentile),
             {k: float(v) for k, v in resp["memory"].items()},
             {"generate_ms": samples.get("generate_ms", [])},
@@ -130,12 +124,13 @@ class HfLlmEngine(Engine):
         log: Any = None,
         reference: ArchSpec | None = None,
         scale: dict[str, float] | None = None,
+        timing: bool = True,
     ) -> list[Measurement]:
         """One worker process per model, one after the other (no reference timed: the results carry no
-        ratio); ``log`` hears of each as it ends."""
+        ratio); ``log`` hears of each as it ends. ``timing=False``: memory only."""
         out = []
         for s in specs:
-            m = self.measure(s, workload)
+            m = self.measure(s, workload, timing=timing)
             out.append(m)
             if log is not None:
                 log(

