@@ -30,6 +30,18 @@ from typing import Any
 PROTOCOL = 1
 
 
+def timed_pairs(gen: Callable[[int], float], repeats: int, n: int) -> dict[str, list[float]]:
+    """``repeats`` pairs ``(T(1), T(1 + n))`` of ``gen(max_tokens) -> ms``: the prefill samples, the decode-step
+    samples ``(T(1 + n) - T(1)) / n`` (paired per repeat: a drift between repeats cancels) and ``T(1 + n)``."""
+    pre: list[float] = []
+    full: list[float] = []
+    for _ in range(repeats):
+        a, b = gen(1), gen(1 + n)
+        pre.append(a)
+        full.append(b)
+    return {"prefill_ms": pre, "decode_ms": [(b - a) / n for a, b in zip(pre, full, strict=True)], "generate_ms": full}
+
+
 def write_json(path: str, obj: dict[str, Any]) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:

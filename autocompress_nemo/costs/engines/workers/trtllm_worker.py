@@ -61,7 +61,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _protocol import serve  # noqa: E402
+from _protocol import serve, timed_pairs  # noqa: E402
 
 _DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "fp8": "bfloat16"}
 _KV_DTYPES = {"fp8": "fp8", "f16": "auto", "bf16": "auto", "f32": "auto"}
@@ -200,19 +200,14 @@ def measure(req: dict[str, Any]) -> dict[str, Any]:
             gen(1 + n)
         torch.cuda.reset_peak_memory_stats()
         peak0 = torch.cuda.max_memory_allocated()
-        pre, full, dec = [], [], []
-        for _ in range(max(1, int(timing["repeats"]))):
-            a, b = gen(1), gen(1 + n)
-            pre.append(a)
-            full.append(b)
-            dec.append((b - a) / n)
+        samples = timed_pairs(gen, max(1, int(timing["repeats"])), n)  # >= 1: the workspace peak needs a forward
         memory, source, report = _memory(llm, engine, wl, free0, peak0)
     finally:
         llm.shutdown()
     return {
         "version": ver,
         "device": device,
-        "samples": {"prefill_ms": pre, "decode_ms": dec, "generate_ms": full},
+        "samples": samples,
         "memory": memory,
         "memory_source": source,
         "engine_report": report,

@@ -27,7 +27,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # ``collective_rpc`` with our own function (memory read-out in vLLM's worker) is pickled: allow it
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-from _protocol import serve  # noqa: E402
+from _protocol import serve, timed_pairs  # noqa: E402
 
 _DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "fp8": "bfloat16"}
 
@@ -149,14 +149,9 @@ def measure(req: dict[str, Any]) -> dict[str, Any]:
     for _ in range(max(0, int(timing.get("warmup", 2))) if timed else 0):
         gen(1)
         gen(1 + n)
-    pre, full, dec = [], [], []
     if not timed and before["allocated"] > 0:  # CUDA: the workspace peak needs one forward
         gen(1 + n)
-    for _ in range(int(timing["repeats"])):
-        a, b = gen(1), gen(1 + n)
-        pre.append(a)
-        full.append(b)
-        dec.append((b - a) / n)
+    samples = timed_pairs(gen, int(timing["repeats"]), n)
     after = llm.collective_rpc(_worker_memory)[0]
     per_token = before["kv_allocated"] / max(before["kv_tokens"], 1.0)
     cuda = after["peak"] > 0
@@ -171,7 +166,7 @@ def measure(req: dict[str, Any]) -> dict[str, Any]:
     return {
         "version": _version(),
         "device": _device(),
-        "samples": {"prefill_ms": pre, "decode_ms": dec, "generate_ms": full},
+        "samples": samples,
         "memory": memory,
         "memory_source": {
             "weights": "vLLM worker: bytes of the loaded model's parameters (CPU: repacked linear "
