@@ -136,3 +136,42 @@ def test_the_pipeline_stops_with_the_engine_message(tmp_path) -> None:
     assert p.returncode == 4, p.stderr[-3000:]
     assert "autocompress: engine error: llama_cpp worker on" in p.stderr and "did not finish in 0 s" in p.stderr
     assert "Traceback" not in p.stderr.split("autocompress: engine error")[1]
+
+
+def test_one_model_per_process_engines_time_against_a_bracketing_reference(tmp_path) -> None:
+    """vLLM / TensorRT-LLM (one model per worker process): with a reference, the reference is measured
+    first, after every REFERENCE_EVERY models and last; each model is its ratio to the reference's time
+    interpolated between the two measurements around it, so a machine that slows down steadily during
+    the call leaves the ratios right (here 0.5 within 1 %), and the reference itself is not measured as
+    a model."""
+    from autocompress_nemo.costs.engines.base import Measurement, Workload
+    from autocompress_nemo.costs.engines.hf_llm import REFERENCE_EVERY, HfLlmEngine
+
+    class Drifting(HfLlmEngine):
+        name = "vllm"
+
+        def __init__(self) -> None:
+            super().__init__({"name": "vllm", "settings": {"reference": "parent"}}, None, tmp_path)
+            self.order: list[str] = []
+
+        def measure(self, spec, workload, weights=None, *, timing=True):  # noqa: ANN001, ANN202
+            self.order.append(spec.name)
+            time.sleep(0.01)
+            slow = 1.0 + 0.2 * len(self.order)  # 20 % slower per worker call
+            base = 10.0 if spec.name in ("reference", "parent") else 5.0
+            return Measurement(prefill_ms=2 * base * slow, decode_ms=base * slow, memory={"weights": 1.0})
+
+    parent = ArchSpec.llama(hidden=64, vocab=512, layers=2, heads=2, kv_groups=1, ffn=128, head_dim=32)
+    kids = [parent.replace(name="parent")] + [parent.replace(name=f"m{i}", blocks=parent.blocks[:2]) for i in range(6)]
+    eng = Drifting()
+    out = eng.measure_many(kids, Workload(), reference=parent)
+    assert eng.order == ["reference"] + [f"m{i}" for i in range(REFERENCE_EVERY)] + [
+        "reference",
+        "m4",
+        "m5",
+        "reference",
+    ]
+    assert out[0].ratio["decode_ms"] == 1.0
+    for m in out[1:]:
+        assert abs(m.ratio["decode_ms"] - 0.5) < 0.005 and abs(m.ratio["prefill_ms"] - 0.5) < 0.005, m.ratio
+        assert m.reference["name"] == "parent" and m.absolute["decode_ms"] > 0

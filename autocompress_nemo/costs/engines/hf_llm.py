@@ -16,6 +16,7 @@ workload's decode context.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -126,18 +127,58 @@ class HfLlmEngine(Engine):
         scale: dict[str, float] | None = None,
         timing: bool = True,
     ) -> list[Measurement]:
-        """One worker process per model, one after the other (no reference timed: the results carry no
-        ratio); ``log`` hears of each as it ends. ``timing=False``: memory only."""
-        out = []
-        for s in specs:
+        """One worker process per model, one after the other; ``log`` hears of each as it ends.
+        ``timing=False``: memory only.
+
+        With a ``reference`` (``settings.reference: parent``), every model is timed as its ratio to the
+        reference measured around it: the reference runs first and again after every
+        ``REFERENCE_EVERY`` models (and last), and a model's ratio is to the mean of the reference's two
+        measurements that bracket it, so the machine's drift over a long call cancels (a model that is
+        the reference itself is not measured twice). ``prefill_ms`` / ``decode_ms`` are then ``ratio x
+        scale`` (``scale``: the table's reference times; else the reference's own), the model's own
+        times kept as ``absolute``, as in ``paired.py``."""
+        from autocompress_nemo.costs.table import spec_hash
+
+        use_ref = reference is not None and timing and str(self.settings.reference) == "parent"
+        ref_hash = spec_hash(reference) if use_ref and reference is not None else None
+        refs: list[tuple[float, Measurement]] = []  # (when, the reference's measurement)
+        when: list[float] = [0.0] * len(specs)
+        out: list[Measurement | None] = [None] * len(specs)
+        done = 0
+
+        def take_reference() -> None:
+            assert reference is not None
+            t = time.monotonic()
+            m = self.measure(reference.replace(name="reference"), workload)
+            refs.append((0.5 * (t + time.monotonic()), m))
+            if log is not None:
+                log(f"reference: prefill {m.prefill_ms:.2f} ms, decode {m.decode_ms:.3f} ms")
+
+        if use_ref:
+            take_reference()
+        for i, s in enumerate(specs):
+            if use_ref and spec_hash(s) == ref_hash:
+                continue  # the reference's own measurements stand for it
+            t = time.monotonic()
             m = self.measure(s, workload, timing=timing)
-            out.append(m)
+            when[i], out[i] = 0.5 * (t + time.monotonic()), m
+            done += 1
             if log is not None:
                 log(
                     f"{s.name or 'model'}: prefill {m.prefill_ms:.2f} ms, decode {m.decode_ms:.3f} ms, "
                     f"load {float(self.last_report.get('load_s') or 0):.0f} s"
                 )
-        return out
+            if use_ref and done % REFERENCE_EVERY == 0 and i < len(specs) - 1:
+                take_reference()
+        if not use_ref:
+            return [m for m in out if m is not None]
+        if done % REFERENCE_EVERY:
+            take_reference()
+        for i in range(len(specs)):
+            if out[i] is None:  # the reference itself: its median measurement, ratio 1
+                out[i], when[i] = _median_measurement([m for _, m in refs]), -1.0
+            _apply_reference(out[i], refs, when[i], scale)  # type: ignore[arg-type]
+        return [m for m in out if m is not None]
 
     def prompt_logprobs(self, model_dir: str | Path, tokens: list[int], top_k: int = 20) -> list[dict[int, float]]:
         """The engine's top-``top_k`` log-probabilities at every prompt position of ``tokens`` for the model
@@ -152,3 +193,35 @@ class HfLlmEngine(Engine):
         }
         rows = self.call(req, f"the exported {Path(model_dir).name}")["prompt_logprobs"]
         return [{int(t): float(v) for t, v in r.items()} for r in rows]
+
+
+REFERENCE_EVERY = 4
+"""Models timed between two measurements of the reference (each is one worker process: ~30 s for
+SmolLM2 in vLLM on this CPU)."""
+
+
+def _median_measurement(ms: list[Measurement]) -> Measurement:
+    """The reference's own row: its measurement with the median decode time."""
+    return sorted(ms, key=lambda m: m.decode_ms)[len(ms) // 2]
+
+
+def _apply_reference(
+    m: Measurement, refs: list[tuple[float, Measurement]], at: float, scale: dict[str, float] | None
+) -> None:
+    """``m``'s times as ratios to the reference's time at ``at``, interpolated linearly between its two
+    measurements that bracket ``at`` (``at < 0``: ``m`` is the reference, ratio 1)."""
+    before = max((r for r in refs if r[0] <= at), key=lambda r: r[0], default=refs[0])
+    after = min((r for r in refs if r[0] >= at), key=lambda r: r[0], default=refs[-1])
+    w = (at - before[0]) / (after[0] - before[0]) if after[0] > before[0] else 0.0
+    ref: dict[str, Any] = {"name": "parent", "memory": dict(before[1].memory), "measurements": len(refs)}
+    m.absolute = {p: getattr(m, p) for p in ("prefill_ms", "decode_ms")}
+    for p in ("prefill_ms", "decode_ms"):
+        a, b = getattr(before[1], p), getattr(after[1], p)
+        ref[p] = m.absolute[p] if at < 0 else a + w * (b - a)
+        times = [getattr(r, p) for _, r in refs]
+        ref[f"{p}_variation"] = (max(times) / min(times) - 1.0) if min(times) > 0 else 0.0
+        ratio = 1.0 if at < 0 else (m.absolute[p] / ref[p] if ref[p] else float("nan"))
+        m.ratio[p] = ratio
+        m.scale[p] = float((scale or {}).get(p) or ref[p])
+        setattr(m, p, ratio * m.scale[p])
+    m.reference = ref
