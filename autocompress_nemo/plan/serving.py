@@ -129,7 +129,7 @@ def budget_student(
     search picks per-block shapes). It shrinks the dimension the engine lets vary that holds
     most parameters: routed experts per MoE block (multiples of 8), else the dense ffn width
     (multiples of the engine's ffn alignment). Returns (None, reason) when none applies."""
-    caps = capabilities_of(target.engine.capabilities)
+    caps = capabilities_of(target.engine.capabilities).for_parent(parent)  # a hybrid's own override set
     parent_serving = serve(parent)
     if meets(parent, parent_serving, parent, parent_serving, target):
         return parent, "the parent already meets the memory/parameter budget; nothing must be cut for memory"
@@ -192,7 +192,7 @@ def smallest_servable(parent: ArchSpec, caps: Any) -> ArchSpec:
     """The smallest model of the search space: the search's own space where it covers the model
     (``search/space.py``), else every block at the minimum the engine's capabilities allow
     (first / last block kept full where the engine requires it)."""
-    caps = capabilities_of(caps)
+    caps = capabilities_of(caps).for_parent(parent)
     try:
         from autocompress_nemo.search.space import apply_choices, build_space
 
