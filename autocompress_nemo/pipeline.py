@@ -125,8 +125,9 @@ class Run:
             out[k] = OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) else v
         target = out.get("target")
         if isinstance(target, dict) and isinstance(target.get("engine"), dict):  # where the engine runs, not what
-            eng = target["engine"]
-            target["engine"] = {k: v for k, v in eng.items() if k not in ENGINE_PLACEMENT}
+            target["engine"] = {k: v for k, v in target["engine"].items() if k not in ENGINE_PLACEMENT}
+        if isinstance(out.get("target.engine"), dict):
+            out["target.engine"] = {k: v for k, v in out["target.engine"].items() if k not in ENGINE_PLACEMENT}
         search = out.get("search")
         if isinstance(search, dict) and not search.get("budgets"):  # no family: the keys of a run before them
             out["search"] = {k: v for k, v in search.items() if k not in ("budgets", "family_steps")}

@@ -114,18 +114,7 @@ def test_vllm_cpu_refuses_head_dim_16(target, tmp_path) -> None:
     assert any("head_dim 16" in p for p in eng.check_servable(spec))
     d = eng.write_config(spec, tmp_path / "hd16")
     with pytest.raises(EngineWorkerError, match="Unsupported CPU attention configuration: head_dim=16"):
-        eng.call(
-            {
-                "task": "measure",
-                "model": str(d),
-                "vocab": spec.vocab,
-                "engine": eng.engine_dict(),
-                "workload": {"batch": 1, "input_len": 8, "output_len": 2, "context_len": 64},
-                "timing": {"repeats": 1, "decode_steps": 1, "warmup": 0},
-                "kv_cache_bytes": 64 * 2**20,
-            },
-            "a head_dim 16 model",
-        )
+        eng.call(_short_measure(eng, spec, d), "a head_dim 16 model")
 
 
 def _hybrid_child(moe: bool) -> ArchSpec:
@@ -194,14 +183,17 @@ def test_a_corrupted_model_is_an_engine_error_naming_vllms_reason(target, tmp_pa
     d = eng.write_config(spec, tmp_path / "broken")
     (d / "config.json").write_text('{"architectures": ["DeciLMForCausalLM"], "model_type": "nemotron-nas", "hidden')
     with pytest.raises(EngineWorkerError, match=r"vllm failed on the broken model: .*(JSON|json|Expecting|decode)"):
-        eng.call(
-            {
-                "task": "measure",
-                "model": str(d),
-                "vocab": spec.vocab,
-                "engine": eng.engine_dict(),
-                "workload": {"batch": 1, "input_len": 8, "output_len": 2, "context_len": 64},
-                "timing": {"repeats": 1, "decode_steps": 1, "warmup": 0},
-            },
-            "the broken model",
-        )
+        eng.call(_short_measure(eng, spec, d), "the broken model")
+
+
+def _short_measure(eng, spec: ArchSpec, model_dir: Path) -> dict:  # noqa: ANN001
+    """A one-repeat ``measure`` request for the worker (the failing-model tests)."""
+    return {
+        "task": "measure",
+        "model": str(model_dir),
+        "vocab": spec.vocab,
+        "engine": eng.engine_dict(),
+        "workload": {"batch": 1, "input_len": 8, "output_len": 2, "context_len": 64},
+        "timing": {"repeats": 1, "decode_steps": 1, "warmup": 0},
+        "kv_cache_bytes": 64 * 2**20,
+    }

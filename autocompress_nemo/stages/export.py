@@ -19,9 +19,8 @@ from autocompress_nemo.utils.artifacts import write_json_atomic
 
 STAGE = Stage(
     "export",
-    reads=reads(
-        LAYOUT, DATA, "target.engine.name", "target.engine.dtype", "evaluate.parity_tokens", "evaluate.keep_f16_gguf"
-    ),
+    # the whole engine and hardware: vLLM / TensorRT-LLM load the export in their own worker for its parity
+    reads=reads(LAYOUT, DATA, "target.engine", "target.hardware", "evaluate.parity_tokens", "evaluate.keep_f16_gguf"),
     needs=("distill",),
     per_method=True,
 )
