@@ -9,10 +9,22 @@ launches are not runnable on these CPU machines)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from autocompress_nemo.report.tables import table
+
+
+def _engine_checked(parity: dict[str, Any], engine: str, otherwise: str) -> str:
+    """What the export stage's parity in ``engine`` showed for the Hugging Face export, or ``otherwise``."""
+    loaded = str(parity.get("engine", "")) if "max_abs_dlogprob_top20" in parity else ""
+    if not loaded.startswith(engine):
+        return otherwise
+    return (
+        f"yes: loaded by {loaded} on {parity.get('device', '?')} with its weights, top-20 log-probs within "
+        f"{parity['max_abs_dlogprob_top20']:.3g} of the PyTorch student (export parity)"
+    )
 
 
 def collect_outputs(run_dir: Path, methods: list[str]) -> list[dict[str, str]]:
@@ -46,6 +58,7 @@ def collect_outputs(run_dir: Path, methods: list[str]) -> list[dict[str, str]]:
             )
         if ex.hf.is_dir():
             hf = ex.hf
+            parity = json.loads(ex.parity.read_text()) if ex.parity.is_file() else {}
             rows += [
                 {
                     "method": m,
@@ -53,24 +66,28 @@ def collect_outputs(run_dir: Path, methods: list[str]) -> list[dict[str, str]]:
                     "format": "Hugging Face",
                     "consumer": "transformers",
                     "command": f"AutoModelForCausalLM.from_pretrained('{hf}', trust_remote_code=True)",
-                    "checked_here": "uniform students: yes (tests/test_hf_export.py); heterogeneous: needs the "
-                    "format's own modelling code (issue 13)",
+                    "checked_here": "yes (tests/test_hf_export.py; heterogeneous DeciLM through its written "
+                    "modeling code, tests/test_hf_export_loaders.py)",
                 },
                 {
                     "method": m,
                     "output": str(hf),
                     "format": "Hugging Face",
                     "consumer": "vLLM",
-                    "command": f"vllm serve {hf}",
-                    "checked_here": "no (GPU engine; not run on this machine)",
+                    "command": f"vllm serve {hf} --trust-remote-code",
+                    "checked_here": _engine_checked(
+                        parity,
+                        "vllm",
+                        "no (not this run's engine; tests/test_vllm_cpu.py loads such exports in vLLM on CPU)",
+                    ),
                 },
                 {
                     "method": m,
                     "output": str(hf),
                     "format": "Hugging Face",
                     "consumer": "TensorRT-LLM",
-                    "command": f"trtllm-serve {hf}",
-                    "checked_here": "no (GPU engine; not run on this machine)",
+                    "command": f"trtllm-serve {hf} --trust_remote_code",
+                    "checked_here": _engine_checked(parity, "tensorrt_llm", "no (GPU engine; not run on this machine)"),
                 },
             ]
         for stage in ("distill", "extract"):
