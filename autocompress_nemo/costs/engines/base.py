@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -297,7 +299,26 @@ class CpuTimedEngine(Engine):
 
     ``clock``: ``thread_cpu`` (the compute thread's CPU time, robust on a shared machine when
     one thread computes) or ``wall``; ``auto`` picks thread_cpu at 1 thread. Both are
-    provenance fields a cost table must match."""
+    provenance fields a cost table must match.
+
+    It times in its worker process (``python -m`` its own module, ``worker.py``): the parent sends
+    the models there; ``in_worker`` is True in that process, which times them itself."""
+
+    def __init__(
+        self, cfg: Any, hardware: Any = None, workdir: str | os.PathLike[str] | None = None, *, in_worker: bool = False
+    ) -> None:
+        super().__init__(cfg, hardware)
+        self.runs = 0
+        self._workdir = Path(workdir) if workdir else None
+        self.in_worker = in_worker
+
+    @property
+    def workdir(self) -> Path:
+        """Where model files, requests and weights for the worker go (a temporary directory unless given)."""
+        if self._workdir is None:
+            self._workdir = Path(tempfile.mkdtemp(prefix=f"acn-{self.name}-"))
+        self._workdir.mkdir(parents=True, exist_ok=True)
+        return self._workdir
 
     def threads(self) -> int:
         t = int(self.cfg.threads or 0)

@@ -47,7 +47,6 @@ from __future__ import annotations
 import ctypes
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -138,21 +137,8 @@ class LlamaCppEngine(CpuTimedEngine):
     def __init__(
         self, cfg: Any, hardware: Any = None, workdir: str | Path | None = None, *, in_worker: bool = False
     ) -> None:
-        super().__init__(cfg, hardware)
+        super().__init__(cfg, hardware, workdir, in_worker=in_worker)
         _ = self.dtype  # an unsupported engine.dtype fails here, naming the supported ones
-        self._workdir = Path(workdir) if workdir else None
-        self.runs = 0
-        self.in_worker = in_worker
-        """True in the worker process (``python -m ...engines.llamacpp``), which times the files; the parent
-        writes them and sends them there (``worker.py``)."""
-
-    @property
-    def workdir(self) -> Path:
-        """Where GGUF files are written while measuring (a temporary directory unless given)."""
-        if self._workdir is None:
-            self._workdir = Path(tempfile.mkdtemp(prefix="acn-llamacpp-"))
-        self._workdir.mkdir(parents=True, exist_ok=True)
-        return self._workdir
 
     # -- provenance -----------------------------------------------------------
     def version(self) -> str:

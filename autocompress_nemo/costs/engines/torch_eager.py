@@ -48,7 +48,6 @@ import contextlib
 import copy
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -189,20 +188,7 @@ class TorchEagerEngine(CpuTimedEngine):
     decode_steps = 60
 
     def __init__(self, cfg: Any, hardware: Any = None, workdir: Any = None, *, in_worker: bool = False) -> None:
-        super().__init__(cfg, hardware)
-        self.runs = 0
-        self._workdir = Path(workdir) if workdir else None
-        self.in_worker = in_worker
-        """True in the worker process (``python -m ...engines.torch_eager``), which times; the parent sends
-        the models there (``worker.py``), so the timed PyTorch is never the training interpreter's."""
-
-    @property
-    def workdir(self) -> Path:
-        """Where requests and weight files for the worker go (a temporary directory unless given)."""
-        if self._workdir is None:
-            self._workdir = Path(tempfile.mkdtemp(prefix="acn-torch-eager-"))
-        self._workdir.mkdir(parents=True, exist_ok=True)
-        return self._workdir
+        super().__init__(cfg, hardware, workdir, in_worker=in_worker)
 
     def version(self) -> str:
         import transformers
