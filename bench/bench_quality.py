@@ -2,7 +2,7 @@
 at several token budgets, their held-out perplexity next to the parent's.
 
     python bench/bench_quality.py [--run runs/cpu_chat__smollm2_135m] [--tokens 32768,131072]
-        [--methods autocompress,minitron_pp] [--tag default] [distill.lr=3e-4 ...]
+        [--methods autocompress,minitron_pp] [--tag default] [--budget 0.6x] [distill.lr=3e-4 ...]
 
 For each method and each budget: the run's extracted student (``extract_<method>``, sliced from
 the sorted parent) is distilled from the run's sorted parent (``rank``) by the production code
@@ -17,8 +17,12 @@ finished point costs only its evaluation. Without overrides, a budget equal to t
 and not distilled again. Overrides (``key=value``, OmegaConf dot-list) change
 the run's config for this bench only (e.g. ``distill.lr=3e-4``); use a ``--tag`` per setting.
 
+``--budget B`` reads one budget of a family run (``search.budgets``): its stages
+``extract_<method>@B`` / ``distill_<method>@B``, written to ``<run>/bench_quality/<tag>@B/``.
+
 Prints one JSON object and writes it, with a PNG plot, to ``<run>/bench_quality/<tag>/``
-(``quality.json``, ``quality.png``); the run's report embeds the ``default`` tag when present.
+(``quality.json``, ``quality.png``); the run's report embeds the ``default`` tag when present
+(a family's ``report@B`` its ``default@B``).
 Figures: held-out perplexity and KD measured in PyTorch (float32) on this machine; tokens/s of
 the recovery measured here.
 """
@@ -60,7 +64,7 @@ def _config(run: Path, overrides: list[str]) -> Any:
 
 
 def _point(
-    ctx: Any, run: Path, method: str, tokens: int, teacher: torch.nn.Module, out: Path, reuse: bool
+    ctx: Any, run: Path, method: str, tokens: int, teacher: torch.nn.Module, out: Path, reuse: bool, suffix: str = ""
 ) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
@@ -69,13 +73,13 @@ def _point(
     from autocompress_nemo.stages.distill import train_batches
     from autocompress_nemo.stages.evaluate import heldout_perplexity
 
-    cspec, csd = load_weights(run / f"extract_{method}")
+    cspec, csd = load_weights(run / f"extract_{method}{suffix}")
     t0 = time.perf_counter()
-    done = _pipeline_point(run, method, tokens) if reuse else None
+    done = _pipeline_point(run, method + suffix, tokens) if reuse else None
     if done is not None:  # the run's own distill stage at this budget: evaluated, not repeated
         res, sd = done
         ev = heldout_perplexity(ctx, cspec, sd, lm_eval=False)
-        return _row(method, res, ev, time.perf_counter() - t0, source=f"the run's distill_{method} stage")
+        return _row(method, res, ev, time.perf_counter() - t0, source=f"the run's distill_{method}{suffix} stage")
     student = ctx.model(cspec, csd)
     d = OmegaConf.merge(ctx.cfg.distill, {"tokens": int(tokens), "wandb_project": ""})
     res = distill(
@@ -155,17 +159,21 @@ def main() -> None:
     ap.add_argument("--tokens", default="32768,131072", help="comma-separated recovery token budgets")
     ap.add_argument("--methods", default="autocompress,minitron_pp")
     ap.add_argument("--tag", default="default", help="output sub-directory (one per setting)")
+    ap.add_argument("--budget", default="", help="one budget of a family run (search.budgets), e.g. 0.6x")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides (OmegaConf dot-list)")
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
     run = Path(a.run).resolve()
     budgets = sorted({int(t) for t in a.tokens.split(",") if t.strip()})
     methods = [m for m in a.methods.split(",") if m.strip()]
-    missing = [m for m in methods if not (run / f"extract_{m}" / "spec.json").is_file()]
+    suffix = f"@{a.budget}" if a.budget else ""
+    missing = [m for m in methods if not (run / f"extract_{m}{suffix}" / "spec.json").is_file()]
     if missing:
+        have = sorted(p.name.split("@", 1)[1] for p in run.glob("extract_autocompress@*"))
         raise SystemExit(
-            f"--run {run}: no extracted student for {missing} (extract_<method>/spec.json); run the pipeline "
+            f"--run {run}: no extracted student for {missing} (extract_<method>{suffix}/spec.json); run the pipeline "
             "first (with baseline=true for minitron_pp) or choose --methods among those present"
+            + (f"; this run is a family: --budget one of {have}" if have else "")
         )
     from autocompress_nemo.context import Context, load_weights
     from autocompress_nemo.stages.common import METHODS
@@ -175,7 +183,7 @@ def main() -> None:
     cfg = _config(run, a.overrides)
     ctx = Context(cfg, say=_say)
     ctx.init_distributed()
-    out = run / "bench_quality" / a.tag
+    out = run / "bench_quality" / f"{a.tag}{suffix}"
     out.mkdir(parents=True, exist_ok=True)
     pspec, psd = load_weights(run / "rank")
     teacher = ctx.model(pspec, psd)
@@ -184,6 +192,7 @@ def main() -> None:
         "run": str(run),
         "target": str(cfg.target.name),
         "tag": a.tag,
+        "budget": a.budget or None,
         "overrides": a.overrides,
         "distill": {k: v for k, v in dict(cfg.distill).items() if k != "tokens"},
         "token_budgets": budgets,
@@ -195,11 +204,11 @@ def main() -> None:
         "curves": {m: [] for m in methods},
     }
     for m in methods:
-        cspec, csd = load_weights(run / f"extract_{m}")
+        cspec, csd = load_weights(run / f"extract_{m}{suffix}")
         result["before_recovery"][m] = heldout_perplexity(ctx, cspec, csd, lm_eval=False)
     for tokens in budgets:  # both methods at each budget before the next: a stopped bench stays comparable
         for m in methods:
-            row = _point(ctx, run, m, tokens, teacher, out / f"{m}_{tokens}", reuse=not a.overrides)
+            row = _point(ctx, run, m, tokens, teacher, out / f"{m}_{tokens}", reuse=not a.overrides, suffix=suffix)
             row["ratio_to_parent"] = row["heldout_ppl"] / result["parent"]["heldout_ppl"]
             result["curves"][m].append(row)
             _say(

@@ -105,6 +105,13 @@ class Attention(Kind):
             out += [("q_bias", None, (q,)), ("k_bias", None, (kv,)), ("v_bias", None, (kv,))]
         return out
 
+    def refit(self, p: AttentionBlock, c: AttentionBlock) -> tuple[str, torch.Tensor] | None:
+        """``o``'s columns: the channels of the query heads the child keeps."""
+        return ("o", _rows(p, c)) if 0 < c.num_heads < p.num_heads else None
+
+    def refit_site(self, layer: Any) -> Any:
+        return layer.self_attention.linear_proj
+
     def score(self, acc: Any, layer: Any, i: int, b: AttentionBlock) -> None:
         """Query head i: ``mean_t ||W_o[:, i] o_ti||`` (a KV group scores the sum of its heads)."""
         acc.head_norms(layer.self_attention.linear_proj, (i, "heads"), b.head_dim)

@@ -182,6 +182,16 @@ class Kind(ABC):
         """The scores in sorted order (a score and its order share a name)."""
         return {n: v[orders[n]] if n in orders else v for n, v in scores.items()}
 
+    def refit(self, parent_block: Any, child_block: Any) -> tuple[str, torch.Tensor] | None:
+        """The output projection a narrower child re-fits by least squares (``extract/compensate.py``):
+        its role and the sorted parent's input channels the child keeps. None (the default): the
+        block is kept whole, removed, or its kind has no such projection here."""
+        return None
+
+    def refit_site(self, layer: Any) -> Any:
+        """The Megatron module whose input is the ``refit`` projection's input, on the block's ``layer``."""
+        raise NotImplementedError(f"{self.name} blocks have no least-squares re-fit")
+
     def slice(
         self, parent_block: Any, child_block: Any, role: str, t: torch.Tensor, shape: tuple[int, ...]
     ) -> torch.Tensor:

@@ -75,6 +75,13 @@ class Mlp(Kind):
         h, f = spec.hidden, b.ffn
         return [("up", None, (f, h)), ("down", None, (h, f))] + ([("gate", None, (f, h))] if b.gated else [])
 
+    def refit(self, p: MlpBlock, c: MlpBlock) -> tuple[str, torch.Tensor] | None:
+        """``down``'s columns: the first ``F'`` neurons of the sorted parent."""
+        return ("down", torch.arange(c.ffn)) if 0 < c.ffn < p.ffn else None
+
+    def refit_site(self, layer: Any) -> Any:
+        return layer.mlp.linear_fc2
+
     def score(self, acc: Any, layer: Any, i: int, b: MlpBlock) -> None:
         """Neuron n: ``mean_t |a_tn| * ||W_down[:, n]||`` (SwiGLU or relu² activation ``a``)."""
         acc.neurons(layer.mlp.linear_fc2, (i, "ffn"))

@@ -344,6 +344,20 @@ class ClusterConfig:
 
 
 @dataclass
+class ExtractConfig:
+    refit: str = "least_squares"
+    """How the student's weights start: ``least_squares`` re-fits the output projection of every
+    narrowed attention / MLP block to what the parent's whole block wrote, on calibration tokens
+    (``extract/compensate.py``; measured in docs/recovery.md); ``none`` keeps the plain slice."""
+    refit_batches: int = 16
+    """Calibration batches of 2 x ``refit_seq_len`` tokens for the re-fit (the train split, a stream
+    of its own)."""
+    refit_seq_len: int = 256
+    ridge: float = 1.0e-3
+    """Ridge of the re-fit as a fraction of the mean energy of the kept channels."""
+
+
+@dataclass
 class EvaluateConfig:
     seq_len: int = 256
     """Held-out perplexity: sequence length."""
@@ -375,6 +389,7 @@ class RunConfig:
     distill: DistillConfig = field(default_factory=DistillConfig)
     data: DataConfig = field(default_factory=DataConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     run_dir: str = "runs/${target.name}__${model.name}"
     cache_dir: str = ""

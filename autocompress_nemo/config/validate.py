@@ -470,6 +470,13 @@ def _check_distill(c: dict, m: dict, t: dict) -> list[str]:
         p.append(f"distill.min_lr={d['min_lr']} is above distill.lr={d['lr']}")
     if d.get("teacher_precision", "fp32") not in ("auto", "fp32", "bf16"):
         p.append(f"distill.teacher_precision={d.get('teacher_precision')!r}: use auto, fp32 or bf16")
+    e = c.get("extract") or {}
+    if e.get("refit", "none") not in ("least_squares", "none"):
+        p.append(f"extract.refit={e.get('refit')!r}: use least_squares or none")
+    for key in ("refit_batches", "refit_seq_len"):
+        _pos(p, f"extract.{key}", e.get(key, 1))
+    if not _number(e.get("ridge", 0)) or e.get("ridge", 0) < 0:
+        p.append(f"extract.ridge={e.get('ridge')!r} must be a finite number >= 0")
     return p
 
 
@@ -568,7 +575,13 @@ def _check_lengths(c: dict, m: dict, t: dict) -> list[str]:
     if not isinstance(maxpos, int) or maxpos <= 0:
         return []
     p = []
-    for key in ("search.seq_len", "search.judge_seq_len", "distill.seq_len", "evaluate.seq_len"):
+    for key in (
+        "search.seq_len",
+        "search.judge_seq_len",
+        "distill.seq_len",
+        "evaluate.seq_len",
+        "extract.refit_seq_len",
+    ):
         sec, _, leaf = key.partition(".")
         v = (c.get(sec) or {}).get(leaf)
         if isinstance(v, int) and v > maxpos:

@@ -1,5 +1,6 @@
 """The report's "Quality versus recovery tokens" section: ``bench/bench_quality.py``'s curve for
-this run (``<run>/bench_quality/default/quality.json`` and its plot), when that bench was run."""
+this run (``<run>/bench_quality/default/quality.json`` and its plot; ``default@<budget>`` for one budget
+of a family, ``--budget``), when that bench was run."""
 
 from __future__ import annotations
 
@@ -12,11 +13,22 @@ CURVE = Path("bench_quality") / "default" / "quality.json"
 """Where ``bench/bench_quality.py`` (``--tag default``) writes the curve the report embeds."""
 
 
-def read_curve(run_dir: Path) -> dict[str, Any] | None:
+def curve_dir(suffix: str = "") -> Path:
+    """The bench's ``--tag default`` directory of a run (``suffix``: ``@<budget>`` of a family member)."""
+    return CURVE.parent.with_name(CURVE.parent.name + suffix)
+
+
+def read_curve(run_dir: Path, suffix: str = "", up: int = 0) -> dict[str, Any] | None:
+    """The curve of this run (or of its budget ``suffix``); ``plot_rel``: its plot relative to a
+    report written ``up`` directories below the run directory (``report@<budget>/``: 1)."""
     from autocompress_nemo.context import read_json
 
-    path = run_dir / CURVE
-    return read_json(path) if path.is_file() else None
+    path = run_dir / curve_dir(suffix) / CURVE.name
+    if not path.is_file():
+        return None
+    q = read_json(path)
+    q["plot_rel"] = ("../" * up) + (curve_dir(suffix) / "quality.png").as_posix()
+    return q
 
 
 def quality_curve_section(res: dict[str, Any]) -> list[str]:
@@ -53,6 +65,9 @@ def quality_curve_section(res: dict[str, Any]) -> list[str]:
             "",
             f"AutoCompress below Minitron++ at every budget: {q['autocompress_below_minitron_at_every_budget']}.",
         ]
-    if Path(q.get("plot", "")).is_file():  # report.md sits in the run directory, next to bench_quality/
-        lines += ["", f"![quality vs recovery tokens]({(CURVE.parent / 'quality.png').as_posix()})"]
+    if Path(q.get("plot", "")).is_file():
+        lines += [
+            "",
+            f"![quality vs recovery tokens]({q.get('plot_rel') or (CURVE.parent / 'quality.png').as_posix()})",
+        ]
     return lines

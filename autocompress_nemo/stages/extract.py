@@ -17,7 +17,7 @@ from autocompress_nemo.stages.declare import LAYOUT, PARENT, Stage, reads
 from autocompress_nemo.stages.layout import ExtractDir, RankDir, SearchDir
 from autocompress_nemo.utils.artifacts import write_json_atomic
 
-STAGE = Stage("extract", reads=reads(PARENT, LAYOUT, JUDGE_READS), needs=("rank", "search"), per_method=True)
+STAGE = Stage("extract", reads=reads(PARENT, LAYOUT, JUDGE_READS, "extract"), needs=("rank", "search"), per_method=True)
 
 
 def run(ctx: Context, out: Path, rank: RankDir, search: SearchDir) -> None:
@@ -37,6 +37,8 @@ def run(ctx: Context, out: Path, rank: RankDir, search: SearchDir) -> None:
                 f"the sliced student's KD to the parent ({guard['sliced_kd']:.4f}) differs from the child the search "
                 f"judged ({ref:.4f}) on the same batches: slicing and the supernet disagree; not training it"
             )
+    if str(ctx.cfg.extract.refit) == "least_squares":
+        child_sd = refit(ctx, spec, sd, child, child_sd, rec)
     art = ExtractDir(out)
     save_weights(out, child, child_sd)
     write_json_atomic(art.arch, rec)
@@ -70,3 +72,47 @@ def sliced_kd(
             x = _local_rows(b, par)
             vals.append(float(kd_loss(ctx.forward(student, x), ctx.forward(teacher, x), float(s.kd_temperature))))
     return world_mean(sum(vals) / len(vals))
+
+
+def refit(
+    ctx: Context,
+    spec: ArchSpec,
+    sd: dict[str, torch.Tensor],
+    child: ArchSpec,
+    child_sd: dict[str, torch.Tensor],
+    rec: dict,
+) -> dict[str, torch.Tensor]:
+    """The student's weights with its narrowed blocks' output projections re-fit by least squares to
+    the sorted parent's (``extract/compensate.py``), kept only when the KD to the parent on the judge's
+    batches improves on the plain slice; ``rec["refit"]`` records both KDs and every block's error."""
+    from autocompress_nemo.extract.compensate import collect_grams, refit_blocks, refit_state_dict
+
+    e = ctx.cfg.extract
+    blocks = refit_blocks(spec, child)
+    if not blocks:
+        rec["refit"] = {"method": "least_squares", "blocks": [], "used": False, "why": "no narrowed block to re-fit"}
+        return child_sd
+    seq, n = int(e.refit_seq_len), int(e.refit_batches)
+    batches = (ctx.batch_at("train", i, 2, seq, seed_offset=71) for i in range(n))
+    grams, tokens = collect_grams(ctx.model(spec, sd), spec, blocks, batches, ctx.forward)
+    new_sd, records = refit_state_dict(spec, sd, child, child_sd, grams, float(e.ridge))
+    sliced = sliced_kd(ctx, spec, sd, child, child_sd)
+    fitted = sliced_kd(ctx, spec, sd, child, new_sd)
+    used = fitted < sliced
+    rec["refit"] = {
+        "method": "least_squares",
+        "tokens": tokens,
+        "ridge": float(e.ridge),
+        "sliced_kd": sliced,
+        "refit_kd": fitted,
+        "used": used,
+        "blocks": records,
+    }
+    mean = lambda k: sum(r[k] for r in records) / len(records)  # noqa: E731
+    ctx.say(
+        f"[extract] least-squares re-fit of {len(records)} output projections on {tokens:,} tokens: "
+        f"mean relative output error {mean('sliced_error'):.4f} -> {mean('refit_error'):.4f}; KD to the parent "
+        f"{sliced:.4f} -> {fitted:.4f} on the judge's batches"
+        + ("" if used else ": no better, the student keeps the plain slice")
+    )
+    return new_sd if used else child_sd

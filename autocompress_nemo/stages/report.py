@@ -96,7 +96,7 @@ def collect_results(
     res["outputs"] = collect_outputs(d, [f"{m}{suffix}" for m in methods])
     from autocompress_nemo.report.quality_curve import read_curve
 
-    res["quality_curve"] = read_curve(d)
+    res["quality_curve"] = read_curve(d, suffix)
     res["timing"] = _timing(prov, res.get("validation") or {}, res["methods"], ev.get("timing") or {})
     for p in sorted(d.iterdir()):
         m = read_manifest(p) if p.is_dir() else None
@@ -110,13 +110,16 @@ def run_family(ctx: Context, run_: Any, methods: list[str], validation: Validate
     ``report.md`` — the first budget's report with the family table (``report/family.py``) on top."""
     from autocompress_nemo.report import write_report
     from autocompress_nemo.report.family import family_rows
+    from autocompress_nemo.report.quality_curve import read_curve
 
     results = []
     for member in family:
         view = Context(member.cfg, ctx.say).for_stage(STAGE.reads)
         res = collect_results(view, run_, methods, validation, member.suffix)
         if res["models"]:
-            write_report(run_.dir / f"report{member.suffix}", res)
+            write_report(
+                run_.dir / f"report{member.suffix}", {**res, "quality_curve": read_curve(run_.dir, member.suffix, up=1)}
+            )
         results.append((member, res))
     main = dict(results[0][1])
     main["family"] = family_rows(results, methods)
