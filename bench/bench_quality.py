@@ -2,7 +2,8 @@
 at several token budgets, their held-out perplexity next to the parent's.
 
     python bench/bench_quality.py [--run runs/cpu_chat__smollm2_135m] [--tokens 32768,131072]
-        [--methods autocompress,minitron_pp] [--tag default] [--budget 0.6x] [distill.lr=3e-4 ...]
+        [--methods autocompress,minitron_pp] [--tag default] [--budget 0.6x] [--start extract|slice]
+        [distill.lr=3e-4 ...]
 
 For each method and each budget: the run's extracted student (``extract_<method>``, sliced from
 the sorted parent) is distilled from the run's sorted parent (``rank``) by the production code
@@ -16,6 +17,10 @@ finished point costs only its evaluation. Without overrides, a budget equal to t
 ``distill.tokens`` is the run's ``distill_<method>`` student (same config, same batches), evaluated
 and not distilled again. Overrides (``key=value``, OmegaConf dot-list) change
 the run's config for this bench only (e.g. ``distill.lr=3e-4``); use a ``--tag`` per setting.
+
+``--start slice`` starts every student from the plain slice of the sorted parent instead of the
+extracted weights (``extract.refit`` re-fits them by least squares): the comparison of which
+weights start the student (use its own ``--tag``).
 
 ``--budget B`` reads one budget of a family run (``search.budgets``): its stages
 ``extract_<method>@B`` / ``distill_<method>@B``, written to ``<run>/bench_quality/<tag>@B/``.
@@ -63,17 +68,36 @@ def _config(run: Path, overrides: list[str]) -> Any:
     return cfg
 
 
+def _student(run: Path, method: str, suffix: str, start: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The extracted student, or (``start="slice"``) its architecture sliced plainly from the sorted parent."""
+    from autocompress_nemo.context import load_weights
+    from autocompress_nemo.extract.slice import slice_state_dict
+
+    cspec, csd = load_weights(run / f"extract_{method}{suffix}")
+    if start == "slice":
+        pspec, psd = load_weights(run / "rank")
+        csd = slice_state_dict(pspec, psd, cspec)
+    return cspec, csd
+
+
 def _point(
-    ctx: Any, run: Path, method: str, tokens: int, teacher: torch.nn.Module, out: Path, reuse: bool, suffix: str = ""
+    ctx: Any,
+    run: Path,
+    method: str,
+    tokens: int,
+    teacher: torch.nn.Module,
+    out: Path,
+    reuse: bool,
+    suffix: str = "",
+    start: str = "extract",
 ) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
-    from autocompress_nemo.context import load_weights
     from autocompress_nemo.distill.recover import distill
     from autocompress_nemo.stages.distill import train_batches
     from autocompress_nemo.stages.evaluate import heldout_perplexity
 
-    cspec, csd = load_weights(run / f"extract_{method}{suffix}")
+    cspec, csd = _student(run, method, suffix, start)
     t0 = time.perf_counter()
     done = _pipeline_point(run, method + suffix, tokens) if reuse else None
     if done is not None:  # the run's own distill stage at this budget: evaluated, not repeated
@@ -160,6 +184,9 @@ def main() -> None:
     ap.add_argument("--methods", default="autocompress,minitron_pp")
     ap.add_argument("--tag", default="default", help="output sub-directory (one per setting)")
     ap.add_argument("--budget", default="", help="one budget of a family run (search.budgets), e.g. 0.6x")
+    ap.add_argument(
+        "--start", default="extract", choices=("extract", "slice"), help="the extracted weights or the plain slice"
+    )
     ap.add_argument("overrides", nargs="*", help="key=value config overrides (OmegaConf dot-list)")
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
@@ -193,6 +220,7 @@ def main() -> None:
         "target": str(cfg.target.name),
         "tag": a.tag,
         "budget": a.budget or None,
+        "start": a.start,
         "overrides": a.overrides,
         "distill": {k: v for k, v in dict(cfg.distill).items() if k != "tokens"},
         "token_budgets": budgets,
@@ -204,11 +232,21 @@ def main() -> None:
         "curves": {m: [] for m in methods},
     }
     for m in methods:
-        cspec, csd = load_weights(run / f"extract_{m}{suffix}")
+        cspec, csd = _student(run, m, suffix, a.start)
         result["before_recovery"][m] = heldout_perplexity(ctx, cspec, csd, lm_eval=False)
     for tokens in budgets:  # both methods at each budget before the next: a stopped bench stays comparable
         for m in methods:
-            row = _point(ctx, run, m, tokens, teacher, out / f"{m}_{tokens}", reuse=not a.overrides, suffix=suffix)
+            row = _point(
+                ctx,
+                run,
+                m,
+                tokens,
+                teacher,
+                out / f"{m}_{tokens}",
+                reuse=not a.overrides and a.start == "extract",
+                suffix=suffix,
+                start=a.start,
+            )
             row["ratio_to_parent"] = row["heldout_ppl"] / result["parent"]["heldout_ppl"]
             result["curves"][m].append(row)
             _say(

@@ -337,3 +337,29 @@ def test_quality_curve_section_embeds_the_bench(tmp_path) -> None:
     text = "\n".join(quality_curve_section({"quality_curve": read_curve(tmp_path)}))
     assert "| AutoCompress | 32,768 | 16" in text and "1.43x" in text and "4.02x" in text
     assert "lr=0.0005" in text and "](bench_quality/default/quality.png)" in text
+
+
+def test_a_family_budget_report_embeds_its_own_curve(tmp_path) -> None:
+    """A family's ``report@<budget>/report.md`` reads ``bench_quality/default@<budget>`` (written by
+    ``bench_quality.py --budget``) and links its plot from one directory down."""
+    from autocompress_nemo.report.quality_curve import CURVE, curve_dir, quality_curve_section, read_curve
+    from autocompress_nemo.utils.artifacts import write_json_atomic
+
+    d = tmp_path / curve_dir("@0.6x")
+    d.mkdir(parents=True)
+    (d / "quality.png").write_bytes(b"png")
+    write_json_atomic(
+        d / CURVE.name,
+        {
+            "parent": {"heldout_ppl": 11.2},
+            "labels": {},
+            "before_recovery": {"autocompress": {"heldout_ppl": 30.0}},
+            "curves": {"autocompress": []},
+            "distill": {},
+            "measured": "held-out perplexity in PyTorch",
+            "plot": str(d / "quality.png"),
+        },
+    )
+    assert read_curve(tmp_path) is None and read_curve(tmp_path, "@0.45x") is None
+    text = "\n".join(quality_curve_section({"quality_curve": read_curve(tmp_path, "@0.6x", up=1)}))
+    assert "](../bench_quality/default@0.6x/quality.png)" in text and "2.68x" in text
