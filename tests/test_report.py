@@ -363,3 +363,33 @@ def test_a_family_budget_report_embeds_its_own_curve(tmp_path) -> None:
     assert read_curve(tmp_path) is None and read_curve(tmp_path, "@0.45x") is None
     text = "\n".join(quality_curve_section({"quality_curve": read_curve(tmp_path, "@0.6x", up=1)}))
     assert "](../bench_quality/default@0.6x/quality.png)" in text and "2.68x" in text
+
+
+def test_starting_weights_section_says_what_the_refit_changed(tmp_path) -> None:
+    """``extract_<method>/arch.json``'s ``refit`` record (``stages/extract.refit``) is shown per student:
+    re-fit or plain slice, the mean relative output error and the KD to the parent before and after."""
+    res = _results()
+    blocks = [
+        {"block": 1, "sliced_error": 0.4, "refit_error": 0.2},
+        {"block": 3, "sliced_error": 0.2, "refit_error": 0.1},
+    ]
+    res["models"]["autocompress"]["refit"] = {
+        "tokens": 8192,
+        "sliced_kd": 2.38,
+        "refit_kd": 1.70,
+        "used": True,
+        "blocks": blocks,
+    }
+    res["models"]["minitron_pp"]["refit"] = {
+        "tokens": 8192,
+        "sliced_kd": 1.0,
+        "refit_kd": 1.2,
+        "used": False,
+        "blocks": blocks,
+    }
+    md = write_report(tmp_path, res)["report.md"].read_text()
+    sec = md.split("## Starting weights", 1)[1].split("\n## ", 1)[0]
+    assert "| least-squares re-fit | 2 | 8,192 | 0.3000 -> 0.1500 | 2.38 -> 1.7" in sec, sec
+    assert "plain slice (the re-fit was no better)" in sec
+    md = write_report(tmp_path / "none", _results())["report.md"].read_text()
+    assert "Every student starts from the plain slice" in md.split("## Starting weights", 1)[1]

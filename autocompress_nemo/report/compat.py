@@ -76,6 +76,8 @@ def _model(entry: dict[str, Any], method: dict[str, Any], validation: dict[str, 
         e.setdefault("engine_check_before_slicing", arch["verified_in_engine"])
     if arch.get("quality_guard"):  # search/settle.Settler.guard: the settled child's KD next to the alternatives
         e.setdefault("quality_guard", arch["quality_guard"])
+    if method.get("refit"):  # stages/extract.refit: the student's starting weights, least-squares re-fit
+        e.setdefault("refit", method["refit"])
     if (arch.get("minitron") or {}).get("variant"):
         e.setdefault("selection_variant", arch["minitron"]["variant"])
     return e

@@ -220,6 +220,49 @@ def _before_recovery(res: dict[str, Any]) -> list[str]:
     return [table(["student (extracted, no recovery)", "perplexity (held-out)", "KD loss to parent", "tokens"], rows)]
 
 
+def _refit(res: dict[str, Any]) -> list[str]:
+    """The student's starting weights (``extract/compensate.py``): the plain slice of the sorted parent
+    or its least-squares re-fit output projections, with what the re-fit changed."""
+    rows = []
+    for e in res["models"].values():
+        r = e.get("refit")
+        if not r or not r.get("blocks"):
+            continue
+        blocks = r["blocks"]
+        err = {k: sum(b[k] for b in blocks) / len(blocks) for k in ("sliced_error", "refit_error")}
+        rows.append(
+            [
+                e["label"],
+                "least-squares re-fit" if r.get("used") else "plain slice (the re-fit was no better)",
+                str(len(blocks)),
+                f"{r.get('tokens', 0):,}",
+                f"{err['sliced_error']:.4f} -> {err['refit_error']:.4f}",
+                f"{fmt(r.get('sliced_kd'))} -> {fmt(r.get('refit_kd'))}",
+            ]
+        )
+    if not rows:
+        return [
+            "Every student starts from the plain slice of the sorted parent (`extract.refit=none`, or nothing narrowed)."
+        ]
+    return [
+        "The output projection of every narrowed attention / MLP block re-fit by least squares to what the "
+        "parent's whole block wrote, on calibration tokens (`extract.refit`); kept only where it lowers the KD "
+        "to the parent on the search judge's batches. Measured in PyTorch on this run's calibration text.",
+        "",
+        table(
+            [
+                "model",
+                "starting weights",
+                "re-fit projections",
+                "calibration tokens",
+                "mean relative output error (slice -> re-fit)",
+                "KD to parent (slice -> re-fit)",
+            ],
+            rows,
+        ),
+    ]
+
+
 def _guard(res: dict[str, Any]) -> list[str]:
     """The quality guard before slicing (``search/settle.py``): the chosen child's loss next to
     the router's final expected loss and the uniform child's at the same predicted targets, and
@@ -398,6 +441,7 @@ def render_markdown(res: dict[str, Any]) -> str:
         ("Per-block widths", _widths(res)),
         ("Architecture checks before slicing", _selection(res)),
         ("Quality guard before slicing", _guard(res)),
+        ("Starting weights", _refit(res)),
         ("Cost-model validation", _validation(res)),
         ("Timing against the parent", timing_section(res)),
         ("Outputs and what consumes them", outputs_section(res)),

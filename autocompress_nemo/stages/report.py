@@ -89,6 +89,9 @@ def collect_results(
                 "selection_tokens": rec.get("selection_tokens", 0),
                 "recovery_tokens": read_json(dist).get("tokens", 0) if dist.is_file() else 0,
             }
+            extracted = d / f"extract_{m}{suffix}" / "arch.json"
+            if extracted.is_file() and (refit := read_json(extracted).get("refit")):
+                res["methods"][m]["refit"] = refit
     if validation is not None and validation.validation.is_file():
         res["validation"] = read_json(validation.validation)["summary"]
     from autocompress_nemo.report.outputs import collect_outputs
