@@ -62,7 +62,7 @@ def collect_grams(
     from megatron.core import parallel_state as ps
 
     from autocompress_nemo.models.megatron import block_layers
-    from autocompress_nemo.rank.hooks import cat_over, parallel_groups
+    from autocompress_nemo.rank.hooks import Accumulator, cat_over, parallel_groups
 
     if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
         raise ValueError(
@@ -72,7 +72,7 @@ def collect_grams(
     tp, group = parallel_groups()["tp"]
     layers = block_layers(model)
     grams: dict[int, torch.Tensor] = {}
-    handles = []
+    acc = Accumulator()  # only for its hook bookkeeping: the Gram matrices are kept here
 
     def hook_for(i: int) -> Callable[[Any, tuple], None]:
         def hook(mod: Any, args: tuple) -> None:
@@ -86,16 +86,8 @@ def collect_grams(
     for i in blocks:
         if i not in layers:
             raise ValueError(f"block {i} is not built on this rank; extract.refit needs the whole parent on every rank")
-        site = kind_of(parent.blocks[i]).refit_site(layers[i])
-        handles.append(site.register_forward_pre_hook(hook_for(i)))
-    tokens = 0
-    try:
-        for ids in batches:
-            forward(model, ids)
-            tokens += ids.numel()
-    finally:
-        for h in handles:
-            h.remove()
+        acc.pre_hook(kind_of(parent.blocks[i]).refit_site(layers[i]), hook_for(i))
+    tokens = acc.run(model, batches, forward)
     return grams, tokens
 
 
