@@ -99,6 +99,27 @@ def test_refit_is_the_least_squares_solution_and_lowers_every_output_error() -> 
     assert kd(new_sd) < kd(child_sd)
 
 
+def test_the_ridge_pulls_toward_the_slice() -> None:
+    """A huge ridge gives back the plain slice (not zero weights); a moderate one lands in between."""
+    spec = tiny_hetero_spec()
+    sd = random_hf_state_dict(spec, seed=3, std=0.2)
+    child = _narrow(spec)
+    blocks = refit_blocks(spec, child)
+    grams, _ = collect_grams(megatron_from_hf(spec, sd), spec, blocks, _batches(spec.vocab), forward_logits)
+    child_sd = slice_state_dict(spec, sd, child)
+    far, _ = refit_state_dict(spec, sd, child, child_sd, grams, ridge=1e6)
+    free, _ = refit_state_dict(spec, sd, child, child_sd, grams, ridge=0.0)
+    mid, recs = refit_state_dict(spec, sd, child, child_sd, grams, ridge=0.03)
+    from autocompress_nemo.models.hybrid.names import hf_names
+
+    names = hf_names(spec)
+    for r in recs:
+        k = names.key(r["block"], blocks[r["block"]][0], None)
+        assert torch.allclose(far[k], child_sd[k], atol=1e-4)
+        assert 0 < (mid[k] - child_sd[k]).norm() < (free[k] - child_sd[k]).norm()
+        assert r["refit_error"] < r["sliced_error"]
+
+
 def test_a_child_kept_whole_has_nothing_to_refit_and_a_negative_ridge_is_refused() -> None:
     spec = tiny_hetero_spec()
     assert refit_blocks(spec, spec) == {}
