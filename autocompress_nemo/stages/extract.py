@@ -96,7 +96,8 @@ def refit(
     batches = (ctx.batch_at("train", i, 2, seq, seed_offset=71) for i in range(n))
     grams, tokens = collect_grams(ctx.model(spec, sd), spec, blocks, batches, ctx.forward)
     new_sd, records = refit_state_dict(spec, sd, child, child_sd, grams, float(e.ridge))
-    sliced = sliced_kd(ctx, spec, sd, child, child_sd)
+    known = (rec.get("quality_guard") or {}).get("sliced_kd")  # run() measured it on the same batches
+    sliced = float(known) if known is not None else sliced_kd(ctx, spec, sd, child, child_sd)
     fitted = sliced_kd(ctx, spec, sd, child, new_sd)
     used = fitted < sliced
     rec["refit"] = {
