@@ -215,6 +215,49 @@ def test_guard_repairs_differently_a_child_far_worse_than_the_alternatives() -> 
     assert settler.guards[-1]["verdict"].startswith("kept")
 
 
+def test_guard_compares_with_the_best_uniform_child_not_the_widest() -> None:
+    """The guard's uniform reference is the uniform child the judge scores lowest among those that
+    meet the targets, not merely the widest one (on SmolLM2 at 0.75x the widest uniform child's KD
+    was 7.29 and the best one's 1.12: a router child at 1.36 passed a 1.5x guard against the
+    widest). A child worse than that best uniform child is replaced, whatever it is."""
+    from autocompress_nemo.extract.repair import _norm_cost, violations
+    from autocompress_nemo.search.space import uniform_candidates
+
+    spec, decisions, cost, _ = _setup()
+    parent = [d.parent_option for d in decisions]
+    target = {"decode_ms": 0.7 * cost.predict(spec)["decode_ms"]}
+    fits = [
+        (_norm_cost(c, target, list(target)), cand)
+        for cand in uniform_candidates(spec, decisions)
+        if not violations(c := cost.predict(apply_choices(spec, decisions, cand)), target)
+    ]
+    assert len(fits) >= 3, "the test needs several uniform children within the target"
+    widest = max(fits, key=lambda t: t[0])[1]
+
+    class Judge(WeightedJudge):  # the widest uniform child is the worst one
+        def loss(self, choices):  # noqa: ANN001, ANN201
+            return 1000.0 if list(choices) == list(widest) else super().loss(choices)
+
+    judge = Judge(decisions)
+    settler = Settler(spec, decisions, cost.predict, judge, grow_threshold=None)
+    best_uniform = min(judge.loss(c) for _, c in fits)
+    assert best_uniform < 1000.0
+    bad = [0] + parent[1:]  # the punished decision cut: worse than the best uniform child ...
+    bad = repair(spec, decisions, bad, cost.predict, target, ProxyJudge([[0.0] * len(d.options) for d in decisions]))[0]
+    assert best_uniform < judge.loss(bad) < 1000.0  # ... but far better than the widest
+    out = settler.guard(bad, target)
+    g = settler.guards[-1]
+    assert g["uniform_choices"] != list(widest) and g["uniform_kd"] == best_uniform, g
+    assert g["uniform_judged"] == len(fits) and g["factor"] == 1.0
+    assert g["verdict"].startswith("replaced") and g["final_kd"] <= g["uniform_kd"], g
+    assert judge.loss(out) == g["final_kd"]
+    assert not violations(cost.predict(apply_choices(spec, decisions, out)), target)
+    # a guard judging one uniform child only sees the widest: the bad child would pass it
+    narrow = Settler(spec, decisions, cost.predict, judge, grow_threshold=None, uniform_pool=1)
+    narrow.guard(bad, target)
+    assert narrow.guards[-1]["uniform_kd"] == 1000.0 and narrow.guards[-1]["verdict"] == "kept"
+
+
 def test_target_tightened_below_the_smallest_child_stops_without_crashing(tmp_path) -> None:
     """A measurement so slow that the tightened target is below every child ends the check with
     the measured child (the evaluate stage reports the miss), not with an exception."""

@@ -23,7 +23,7 @@ def check_budgets(search: dict[str, Any], target: dict[str, Any]) -> list[str]:
         return [f"search.budgets={values!r} is not a list; give e.g. 'search.budgets=[0.45x,0.6x,0.75x]'"]
     steps = search.get("family_steps")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-        p.append(f"search.family_steps={steps!r} must be an integer >= 0 (0: a quarter of search.steps)")
+        p.append(f"search.family_steps={steps!r} must be an integer >= 0 (0: as many as search.steps)")
     if not values:
         return p
     cons = (target.get("budget") or {}).get("constraints") or []

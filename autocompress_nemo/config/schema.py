@@ -193,9 +193,14 @@ class SearchConfig:
     judge_batches: int = 1
     """Calibration batches (``batch_size`` x ``judge_seq_len`` tokens each) the KD judge scores on."""
     judge_seq_len: int = 128
-    guard_factor: float = 1.5
-    """Quality guard: a settled child whose KD exceeds this many times the uniform child's at the
-    same targets is repaired differently (the uniform child grown to the targets)."""
+    guard_factor: float = 1.0
+    """Quality guard: a settled child whose KD exceeds this many times the best uniform child's at
+    the same targets (or the router's final expected KD) is repaired differently: the best uniform
+    child, that child grown to the targets, or the search's choice settled again in small steps,
+    whichever the judge scores lowest (1: the child is never worse than the best uniform child)."""
+    guard_uniform: int = 32
+    """Quality guard: how many uniform children meeting the targets it judges (the widest by
+    predicted cost first) to find the best one."""
     minitron_depth: bool = False
     """Minitron++ as the paper defines it keeps every layer (uniform widths only). True adds
     Minitron's depth pruning — the k least important removable blocks removed — an extension
@@ -217,7 +222,7 @@ class SearchConfig:
     router on that supernet, frozen, for ``family_steps`` steps. Stage directories get ``@<budget>``.
     Empty (default): one student at ``target.budget``."""
     family_steps: int = 0
-    """Router steps of every budget after the first in ``budgets`` (0: a quarter of ``steps``)."""
+    """Router steps of every budget after the first in ``budgets`` (0: ``steps``, as many as the first)."""
     router_init: str = "uniform"
     """Router logits at the start: ``uniform``, ``parent`` (biased to the parent's widths) or ``linear``."""
     checkpoint_every: int = 50

@@ -399,6 +399,7 @@ def _check_search(c: dict, m: dict, t: dict) -> list[str]:
         "judge_batches",
         "judge_seq_len",
         "guard_factor",
+        "guard_uniform",
     ):
         _pos(p, f"search.{key}", s.get(key))
     if s.get("judge") not in ("kd", "importance"):

@@ -302,6 +302,8 @@ def settle_choices(
         judge,
         grow_threshold=float(s.grow_threshold) if method == "autocompress" and model is not None else None,
         guard_factor=float(s.guard_factor),
+        uniform_pool=int(s.get("guard_uniform", 32)),
+        uniform_alternative=method == "autocompress",
         router_kd=(sum(float(r["kd"]) for r in tail) / len(tail)) if tail else None,
         origin=list(outcome.choices) if tail else None,
         log=ctx.say,
