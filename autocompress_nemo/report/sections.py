@@ -306,9 +306,11 @@ def _guard(res: dict[str, Any]) -> list[str]:
         ),
         "",
         "KD losses to the parent on the search's calibration batches (PyTorch, this machine); the router's "
-        "figure is the mean over its last steps on its training batches. A chosen child over "
-        "`search.guard_factor` times the uniform child's KD is replaced by the uniform child grown to the same "
-        "targets. Perplexities: held-out text, PyTorch.",
+        "figure is the mean over its last steps on its training batches; the uniform child is the best of the "
+        "uniform children within the same targets by that loss (`search.guard_uniform` of them, widest first). "
+        "An AutoCompress child over `search.guard_factor` times the uniform child's KD is replaced by the best of "
+        "the uniform child and that child grown to the same targets (Minitron++: recorded only). "
+        "Perplexities: held-out text, PyTorch.",
     ]
 
 
