@@ -267,6 +267,11 @@ def main() -> None:
             f"autocompress_at_{last['tokens']}_ratio": last["ratio_to_parent"],
             "goal_at_largest_le_1.2x": last["ratio_to_parent"] <= 1.2,
         }
+    from autocompress_nemo.report.quality_curve import gap_power_law
+
+    ext = {m: e for m, pts in curves.items() if (e := gap_power_law(pts, result["parent"]["heldout_ppl"]))}
+    if ext:
+        result["extrapolation"] = ext
     _plot(result, out / "quality.png")
     result["plot"] = str(out / "quality.png")
     write_json_atomic(out / "quality.json", result)

@@ -339,6 +339,24 @@ def test_quality_curve_section_embeds_the_bench(tmp_path) -> None:
     assert "lr=0.0005" in text and "](bench_quality/default/quality.png)" in text
 
 
+def test_gap_power_law_recovers_an_exact_power_law_and_refuses_what_is_not_one() -> None:
+    """The estimate of the tokens to reach 1.5x / 1.2x the parent: on points that follow
+    ``gap = 4 * (T / 32768)**-0.5`` exactly, alpha is 0.5 and the gap reaches 0.5 (1.5x) at
+    32768 * 64 tokens; a curve that does not improve, or one point, gives no estimate."""
+    from autocompress_nemo.report.quality_curve import gap_power_law
+
+    parent = 10.0
+    pts = [{"tokens": t, "heldout_ppl": parent * (1 + 4 * (t / 32768) ** -0.5)} for t in (32768, 131072, 524288)]
+    e = gap_power_law(pts, parent)
+    assert e is not None and abs(e["alpha"] - 0.5) < 1e-9 and e["points"] == 3
+    assert abs(e["tokens_to_1.5x"] / (32768 * 64) - 1) < 1e-9
+    assert abs(e["tokens_to_1.2x"] / (32768 * 400) - 1) < 1e-9
+    assert "estimated, not measured" in e["source"]
+    assert gap_power_law(pts[:1], parent) is None
+    flat = [{"tokens": t, "heldout_ppl": 20.0 + t / 1e6} for t in (32768, 131072)]
+    assert gap_power_law(flat, parent) is None
+
+
 def test_a_family_budget_report_embeds_its_own_curve(tmp_path) -> None:
     """A family's ``report@<budget>/report.md`` reads ``bench_quality/default@<budget>`` (written by
     ``bench_quality.py --budget``) and links its plot from one directory down."""

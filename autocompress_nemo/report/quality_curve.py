@@ -31,6 +31,35 @@ def read_curve(run_dir: Path, suffix: str = "", up: int = 0) -> dict[str, Any] |
     return q
 
 
+def gap_power_law(
+    points: list[dict[str, Any]], parent_ppl: float, ratios: tuple[float, ...] = (1.5, 1.2)
+) -> dict[str, Any] | None:
+    """Estimated, not measured: the gap to the parent (``ppl / parent - 1``) as a power law of the
+    recovery tokens, ``gap(T) = g * T**-alpha``, fitted (least squares in log-log) through the measured
+    points, and the tokens at which it would reach each of ``ratios``. ``None`` with fewer than two
+    points at distinct budgets or a gap that does not shrink (no power law to extrapolate)."""
+    import math
+
+    pts = [(float(p["tokens"]), p["heldout_ppl"] / parent_ppl - 1.0) for p in points if p.get("tokens")]
+    pts = [(t, g) for t, g in pts if t > 0 and g > 0]
+    if len({t for t, _ in pts}) < 2:
+        return None
+    xs, ys = [math.log(t) for t, _ in pts], [math.log(g) for _, g in pts]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    if slope >= 0:
+        return None
+    alpha, log_g = -slope, my - slope * mx
+    out: dict[str, Any] = {
+        "alpha": alpha,
+        "points": len(pts),
+        "source": "estimated, not measured: a power law of the gap to the parent through the measured points",
+    }
+    for r in ratios:
+        out[f"tokens_to_{r}x"] = math.exp((log_g - math.log(r - 1.0)) / alpha)
+    return out
+
+
 def quality_curve_section(res: dict[str, Any]) -> list[str]:
     q = res.get("quality_curve")
     if not q:
@@ -64,6 +93,19 @@ def quality_curve_section(res: dict[str, Any]) -> list[str]:
         lines += [
             "",
             f"AutoCompress below Minitron++ at every budget: {q['autocompress_below_minitron_at_every_budget']}.",
+        ]
+    ext = q.get("extrapolation") or {}
+    if ext:
+        lines += [
+            "",
+            "Tokens to reach the goals, estimated, not measured (a power law of the gap to the parent, "
+            "`gap = g * tokens^-alpha`, fitted through the measured points): "
+            + "; ".join(
+                f"{q['labels'].get(m, m)}: alpha {e['alpha']:.2f}, 1.5x at ~{e['tokens_to_1.5x']:,.0f}, "
+                f"1.2x at ~{e['tokens_to_1.2x']:,.0f} tokens"
+                for m, e in ext.items()
+            )
+            + ".",
         ]
     if Path(q.get("plot", "")).is_file():
         lines += [
