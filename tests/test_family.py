@@ -87,6 +87,7 @@ def test_one_student_per_budget_on_one_supernet(family) -> None:
     # the report: a family table, each budget's own report, the extra search cost
     report = (run_dir / "report.md").read_text()
     assert "## Family: one student per budget" in report and "Extra search cost per added budget:" in report
+    assert "| budget when measured | measured | measured / parent |" in report  # the PASS is on the ratio
     for b in BUDGETS:
         assert (run_dir / f"report@{b}" / "report.md").is_file()
     rows = json.loads((run_dir / "report.json").read_text())["family"]

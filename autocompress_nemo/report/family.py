@@ -31,6 +31,7 @@ def family_rows(results: list[tuple[Any, dict[str, Any]]], methods: list[str]) -
                         "predicted": (e.get("predicted") or {}).get(metric, (arch.get("predicted") or {}).get(metric)),
                         "measured": check.get("measured"),
                         "budget_measured": check.get("budget"),
+                        "ratio": check.get("ratio"),
                         "pass": check.get("pass"),
                         "measured_by": e.get("measured_by", ""),
                         "heldout_ppl": (e.get("accuracy") or {}).get("heldout_ppl"),
@@ -75,9 +76,11 @@ def family_section(res: dict[str, Any]) -> list[str]:
                 "budget",
                 "method",
                 "metric",
-                "budget (abs.)",
+                "budget (abs., at profiling)",
                 "predicted",
+                "budget when measured",
                 "measured",
+                "measured / parent",
                 "verdict",
                 "held-out ppl",
                 "params (M)",
@@ -92,7 +95,9 @@ def family_section(res: dict[str, Any]) -> list[str]:
                     r["metric"],
                     fmt(r["budget_absolute"]),
                     fmt(r["predicted"]),
+                    fmt(r["budget_measured"]),
                     fmt(r["measured"]),
+                    fmt(r.get("ratio")),
                     "—" if r["pass"] is None else ("PASS" if r["pass"] else "FAIL"),
                     fmt(r["heldout_ppl"]),
                     fmt(r["params"], "params"),
@@ -109,8 +114,10 @@ def family_section(res: dict[str, Any]) -> list[str]:
     if cost:
         out.append(
             f"Extra search cost per added budget: {cost['extra_tokens']:,.0f} tokens, {cost['extra_wall_s']:.1f} s "
-            f"(the first budget, which trains the supernet: {cost['first_tokens']:,.0f} tokens, "
-            f"{cost['first_wall_s']:.1f} s); router search only ('search s'); 'search stage s' is the whole stage: model build, settle, judge and engine check."
+            f"(the first budget: {cost['first_tokens']:,.0f} tokens, "
+            f"{cost['first_wall_s']:.1f} s); router search only ('search s'); 'search stage s' is the whole stage: model build, settle, judge and engine check. "
+            "A relative budget is checked on the ratio to the parent timed in the same rounds ('measured / parent'); "
+            "'budget when measured' is the budget's factor times the parent's time in those rounds."
         )
     by = next((r["measured_by"] for r in rows if r["measured_by"]), "")
     if by:
