@@ -55,8 +55,30 @@ def apply(spec: ArchSpec, decisions_: list[Decision], choices: list[int]) -> Arc
 
 
 def describe(spec: ArchSpec) -> str:
-    """Per-block shapes in one line (``A9h3kv F1536 E8x64k2+s32 M8h2g``; removed blocks named)."""
-    return " ".join(f"{b.kind}:removed" if b.removed else kind_of(b).describe(b) for b in spec.blocks)
+    """Per-block shapes in one line (``A9h3kv F1536 E8x64k2+s32 M8h2g``; removed blocks named), a run of
+    repeated blocks or layers written once with its count (a 30-layer Llama: ``30 x [A9h3kv F1536]``)."""
+    return compact_runs([f"{b.kind}:removed" if b.removed else kind_of(b).describe(b) for b in spec.blocks])
+
+
+def compact_runs(words: list[str], max_period: int = 4) -> str:
+    """``words`` joined by spaces, each run of a repeated group of up to ``max_period`` words written as
+    ``n x [group]`` (the group covering the most words wins; ties: the shorter group)."""
+    out: list[str] = []
+    i = 0
+    while i < len(words):
+        best_p, best_n = 1, 1
+        for p in range(1, max_period + 1):
+            n = 1
+            while words[i + n * p : i + (n + 1) * p] == words[i : i + p] and i + (n + 1) * p <= len(words):
+                n += 1
+            if n > 1 and n * p > best_n * best_p:
+                best_p, best_n = p, n
+        if best_n > 1:
+            out.append(f"{best_n} x [{' '.join(words[i : i + best_p])}]")
+        else:
+            out.append(words[i])
+        i += best_n * best_p
+    return " ".join(out)
 
 
 __all__ = [
@@ -66,6 +88,7 @@ __all__ = [
     "Grid",
     "Kind",
     "apply",
+    "compact_runs",
     "decisions",
     "describe",
     "kept_heads",

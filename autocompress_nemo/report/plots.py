@@ -5,8 +5,9 @@
 - ``costs.png``: predicted and measured costs per metric and model, with the absolute budget.
 - ``search_trajectory.png``: KD loss, expected cost / budget per metric and router entropy
   (with the Gumbel temperature) per search step.
-- ``accuracy_vs_cost.png``: held-out perplexity against the first budget's metric (measured
-  when available, else predicted — the axis label says which).
+- ``accuracy_vs_cost.png``: held-out perplexity against the first budget's metric, with the budget
+  the PASS / FAIL was decided on: as a ratio to the parent measured in the same rounds when the
+  engine check recorded one, else measured (or predicted) absolute costs — the axis label says which.
 
 A plot whose data is missing is skipped; ``write_plots`` returns the reason.
 """
@@ -164,11 +165,48 @@ def plot_trajectory(res: dict[str, Any], path: Path) -> Path | str:
     return _save(fig, path)
 
 
-def plot_accuracy_vs_cost(res: dict[str, Any], path: Path) -> Path | str:
+def _check_of(e: dict[str, Any], metric: str) -> dict[str, Any]:
+    """The model's budget check of ``metric`` (what its PASS / FAIL was decided on), or ``{}``."""
+    for c in e.get("checks") or []:
+        if metric in (c.get("checked_as"), c.get("metric")):
+            return c
+    return {}
+
+
+def decided_budget(res: dict[str, Any], metric: str) -> tuple[str, float | None, str]:
+    """The budget the PASS / FAIL of ``metric`` was decided on, as ``(axis, value, where)``:
+
+    - ``ratio``: the students' budget as a ratio to the parent measured in the same rounds
+      (``budget_ratio`` of their checks; the parent sits at 1) — the quantity PASS is decided on;
+    - ``absolute``: the budget the checks compared with (the evaluate stage's, from the parent
+      measured then), when no ratio was recorded;
+    - ``configured``: the target's absolute budget (profile time) when no check was recorded."""
+    students = [e for k, e in res["models"].items() if k != "parent"]
+    for e in students:
+        c = _check_of(e, metric)
+        if c.get("budget_ratio") is not None and c.get("ratio") is not None:
+            return "ratio", float(c["budget_ratio"]), "budget / parent, both measured in the same rounds"
+    for e in students:
+        c = _check_of(e, metric)
+        if c.get("budget") is not None:
+            return "absolute", float(c["budget"]), "the budget the engine check compared with"
+    budgets = res["target"].get("budgets") or []
+    b = next((b.get("absolute") for b in budgets if b.get("absolute") is not None), None)
+    return "configured", (None if b is None else float(b)), "the configured budget"
+
+
+def accuracy_points(res: dict[str, Any]) -> tuple[str, str, float | None, str, list[tuple[str, str, float, float, str]]]:
+    """What ``accuracy_vs_cost.png`` draws: ``(metric, axis, budget, where, points)`` with the budget
+    PASS / FAIL was decided on (``decided_budget``) and one ``(key, label, x, perplexity, how)`` per
+    model — ``x`` the measured ratio to the parent (the parent at 1) when ``axis`` is ``ratio``, else
+    the measured (or predicted) cost in the plot's unit."""
     models = res["models"]
     budgets = res["target"].get("budgets") or []
     metric = budgets[0].get("metric") if budgets else "params"
     metric = {"ttft_ms": "prefill_ms", "tpot_ms": "decode_ms"}.get(metric, metric)
+    axis, budget, where = decided_budget(res, metric) if metric != "params" else ("configured", None, "")
+    if budget is not None and axis != "ratio":
+        budget = _scale(metric, budget)
     pts = []
     for key, e in models.items():
         ppl = e["accuracy"].get("perplexity")
@@ -177,10 +215,20 @@ def plot_accuracy_vs_cost(res: dict[str, Any], path: Path) -> Path | str:
         meas, pred = (e.get("measured") or {}).get(metric), (e.get("predicted") or {}).get(metric)
         if metric == "params":
             cost, how = e.get("params"), "counted"
+        elif axis == "ratio":
+            cost, how = _check_of(e, metric).get("ratio", 1.0 if key == "parent" else None), "measured ratio"
         else:
             cost, how = (meas, "measured") if meas is not None else (pred, "predicted")
         if cost is not None:
-            pts.append((key, e["label"], _scale(metric, float(cost)), float(ppl), how))
+            x = float(cost) if axis == "ratio" else _scale(metric, float(cost))
+            pts.append((key, e["label"], x, float(ppl), how))
+    return metric, axis, budget, where, pts
+
+
+def plot_accuracy_vs_cost(res: dict[str, Any], path: Path) -> Path | str:
+    """Held-out perplexity against the first budget's metric and the budget PASS / FAIL was decided on
+    (``accuracy_points``)."""
+    metric, axis, budget, where, pts = accuracy_points(res)
     if not pts:
         return f"no model has both a perplexity and a {metric} figure"
     plt = _plt()
@@ -188,11 +236,13 @@ def plot_accuracy_vs_cost(res: dict[str, Any], path: Path) -> Path | str:
     for key, label, x, y, how in pts:
         ax.scatter([x], [y], s=50, color=COLORS.get(key, "tab:green"), marker="o" if how != "predicted" else "s")
         ax.annotate(f"{label} ({how})", (x, y), fontsize=8, xytext=(4, 4), textcoords="offset points")
-    b = next((b.get("absolute") for b in budgets if b.get("absolute") is not None), None)
-    if b is not None and metric != "params":
-        ax.axvline(_scale(metric, b), color="red", ls="--", lw=1, label="budget")
-        ax.legend(fontsize=8)
-    ax.set_xlabel(f"{metric} ({UNITS.get(metric, '')})")
+    if budget is not None and metric != "params":
+        ax.axvline(budget, color="red", ls="--", lw=1, label=f"budget {budget:.4g} ({where})")
+        ax.legend(fontsize=7)
+    if axis == "ratio":
+        ax.set_xlabel(f"{metric} / the parent's (measured in the same rounds)")
+    else:
+        ax.set_xlabel(f"{metric} ({UNITS.get(metric, '')})")
     ax.set_ylabel("held-out perplexity (lower is better)")
     ax.set_title("accuracy against cost", fontsize=10)
     fig.tight_layout()

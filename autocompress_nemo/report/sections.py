@@ -118,7 +118,11 @@ def _checks(res: dict[str, Any]) -> list[str]:
         src = (e.get("measured") or {}).get("source", NO_SOURCE)
         for c in e.get("checks") or []:
             metric = c.get("checked_as") or c.get("metric", "")
-            verdict = "—" if c.get("pass") is None else ("PASS" if c["pass"] else "FAIL")
+            verdict = (
+                "reference"
+                if c.get("reference")
+                else ("—" if c.get("pass") is None else ("PASS" if c["pass"] else "FAIL"))
+            )
             rows.append(
                 [
                     e["label"],

@@ -24,6 +24,7 @@ UNITS = {
     "params": "M",
 }
 NO_SOURCE = "source not recorded"
+PARENT_NOTE = "the parent: the reference the students' budgets are set against, not checked"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,6 +59,11 @@ def _normalize_model(key: str, entry: dict[str, Any]) -> dict[str, Any]:
     e.setdefault("checks", ec.get("checks"))
     if "pass" not in e:
         e["pass"] = ec.get("pass")
+    if key == "parent":  # the reference the budgets are set against (0.6x of it), not a candidate
+        e["checks"] = [
+            {**c, "pass": None, "reference": True, "note": c.get("note") or PARENT_NOTE} for c in e.get("checks") or []
+        ]
+        e["pass"] = None
     e.setdefault("accuracy", {})
     return e
 
