@@ -40,8 +40,8 @@ class RunDirError(ValueError):
 
 # -- filesystem ------------------------------------------------------------------------------------
 _FIX = {
-    errno.ENOSPC: "free space on that disk, or give run_dir on another one",
-    errno.EDQUOT: "free space in your quota, or give run_dir on another disk",
+    errno.ENOSPC: "free space on that disk, or give run_dir (cache_dir for the token cache) on another one",
+    errno.EDQUOT: "free space in your quota, or give run_dir (cache_dir for the token cache) on another disk",
     errno.EACCES: "make it writable, or give a run_dir you can write to",
     errno.EPERM: "make it writable, or give a run_dir you can write to",
     errno.EROFS: "the file system is read-only: give run_dir on a writable one",
@@ -50,42 +50,111 @@ _FIX = {
 }
 
 
-def describe_os_error(e: OSError) -> str:
-    """One line for a filesystem error: what, the path, the fix."""
-    name = errno.errorcode.get(e.errno or 0, "")
-    where = e.filename if e.filename is not None else "(path unknown)"
-    what = e.strerror or str(e)
-    fix = _FIX.get(e.errno or -1, "")
-    return f"{what}{f' ({name})' if name else ''}: {where}" + (f"; {fix}" if fix else "")
+_NO_SPACE_TEXT = (
+    "No space left",
+    "Not enough free space",
+    "code: 28",
+    "StorageFull",
+    "[Errno 28]",
+    "file write failed",
+)
+_QUOTA_TEXT = ("Disk quota", "[Errno 122]")
 
 
-def disk_error(e: BaseException) -> int:
-    """The errno of a full disk (or quota) reported by a library as text rather than ``OSError``
-    (torch's ``PytorchStreamWriter ... file write failed``, safetensors' ``code: 28``); 0 otherwise."""
-    if isinstance(e, OSError):
-        return e.errno if e.errno in (errno.ENOSPC, errno.EDQUOT) else 0
-    msg = str(e)
-    if "No space left" in msg or "code: 28" in msg or "StorageFull" in msg:
+def os_errors(e: BaseException) -> Iterator[BaseException]:
+    """``e`` and every exception inside it: its causes and contexts, and the per-rank failures of a
+    distributed checkpoint (torch's ``CheckpointException.failures``, Megatron's wrappers), once each."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [e]
+    while todo:
+        x = todo.pop(0)
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        yield x
+        todo += [y for y in (x.__cause__, x.__context__) if y is not None]
+        failures = getattr(x, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):
+            for f in failures.values():
+                inner = getattr(f, "exception", f)  # a _WrappedException holds the original
+                if isinstance(inner, BaseException):
+                    todo.append(inner)
+        todo += [a for a in getattr(x, "args", ()) if isinstance(a, BaseException)]
+
+
+def _text_errno(msg: str) -> int:
+    if any(t in msg for t in _QUOTA_TEXT):
+        return errno.EDQUOT
+    if any(t in msg for t in _NO_SPACE_TEXT):
         return errno.ENOSPC
-    if "file write failed" in msg or "Disk quota" in msg:
-        return errno.ENOSPC if "quota" not in msg.lower() else errno.EDQUOT
     return 0
 
 
-def usable_problems(run_dir: str | os.PathLike[str]) -> list[str]:
+def find_disk_error(e: BaseException) -> OSError | None:
+    """The full-disk (or quota) ``OSError`` inside ``e`` (:func:`os_errors`), the one naming a path
+    first; an ``OSError`` made from a library's text (numpy's "Not enough free space", torch's
+    "file write failed") when none is raised as such. None when ``e`` is not about a full disk."""
+    found: list[OSError] = []
+    for x in os_errors(e):
+        code = x.errno if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT) else _text_errno(str(x))
+        if not code:
+            continue
+        if isinstance(x, OSError) and x.errno == code:
+            found.append(x)
+        else:
+            found.append(OSError(code, os.strerror(code), getattr(x, "filename", None)))
+    named = [x for x in found if x.filename is not None]
+    return (named or found or [None])[0]
+
+
+def describe_os_error(e: BaseException, where: str | os.PathLike[str] | None = None) -> str:
+    """One line for a filesystem error: what, the path, the fix. A full disk hidden inside another
+    exception (a distributed checkpoint's per-rank failures, a library's text) is found and named
+    (:func:`find_disk_error`); ``where``: the path to name when the error carries none (the file or
+    directory being written)."""
+    if not isinstance(e, OSError) or (e.errno is None and _text_errno(str(e))):
+        e = find_disk_error(e) or (e if isinstance(e, OSError) else OSError(0, str(e)))
+    code = e.errno or 0
+    name = errno.errorcode.get(code, "")
+    path = e.filename if e.filename is not None else where
+    what = (e.strerror or str(e)) if code else str(e)
+    fix = _FIX.get(code, "")
+    return f"{what}{f' ({name})' if name else ''}: {path if path is not None else '(path unknown)'}" + (
+        f"; {fix}" if fix else ""
+    )
+
+
+def disk_error(e: BaseException) -> int:
+    """The errno of a full disk (or quota) anywhere inside ``e`` (:func:`find_disk_error`: raised as
+    ``OSError``, inside a distributed checkpoint's failures or a cause, or reported by a library as text
+    — torch's ``PytorchStreamWriter ... file write failed``, safetensors' ``code: 28``, numpy's "Not
+    enough free space"); 0 otherwise."""
+    found = find_disk_error(e)
+    return int(found.errno or 0) if found is not None else 0
+
+
+def usable_problems(run_dir: str | os.PathLike[str], field: str = "run_dir") -> list[str]:
     """Why ``run_dir`` cannot hold a run (empty when it can): it is a file, a component of its path
-    is a file, or the directory (or its nearest existing ancestor) is not writable."""
+    is a file, or the directory (or its nearest existing ancestor) is not writable. ``field``: the
+    setting that names the directory (``run_dir``, ``cache_dir``), named in the message and the fix."""
     p = Path(run_dir).expanduser().absolute()
+    fix = f"give {field}=<a directory path>"
     if p.exists() and not p.is_dir():
-        return [f"run_dir={run_dir}: {p} is a file, not a directory; give run_dir=<a directory path>"]
+        return [f"{field}={run_dir}: {p} is a file, not a directory; {fix}"]
     anc = p
     while not anc.exists():
+        if anc.is_symlink():  # a loop or a dangling link: exists() is False, mkdir would fail
+            return [f"{field}={run_dir}: {anc} is a symlink to nothing (a loop or a dangling link); {fix}"]
         anc = anc.parent
     if not anc.is_dir():
-        return [f"run_dir={run_dir}: {anc} is a file, so {p} cannot be created; give run_dir=<a directory path>"]
+        return [f"{field}={run_dir}: {anc} is a file, so {p} cannot be created; {fix}"]
     if not os.access(anc, os.W_OK | os.X_OK):
-        what = "the run directory" if anc == p else f"{anc} (where {p} would be created)"
-        return [f"run_dir={run_dir}: {what} is not writable; make it writable, or give a run_dir you can write to"]
+        what = (
+            f"the {'run' if field == 'run_dir' else 'cache'} directory"
+            if anc == p
+            else f"{anc} (where {p} would be created)"
+        )
+        return [f"{field}={run_dir}: {what} is not writable; make it writable, or give a {field} you can write to"]
     return []
 
 

@@ -37,11 +37,55 @@ def compose(overrides: list[str]) -> Any:
     return _compose(overrides)
 
 
+def out_dir_problem(out_dir: Path | None) -> str | None:
+    """Why ``--out`` cannot hold the rendered scripts (it, or a directory above it, is a file), or None."""
+    if out_dir is None:
+        return None
+    p = Path(out_dir).expanduser().absolute()
+    anc = p
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if anc.exists() and not anc.is_dir():
+        what = f"{p} is a file" if anc == p else f"{anc} is a file, so {p} cannot be created"
+        return (
+            f"--out {out_dir}: {what}; --out names a directory for the rendered scripts "
+            f"(<out>/<stage>.sbatch): give a directory path, e.g. --out {p.parent / 'slurm'}"
+        )
+    return None
+
+
+def time_limit_problems(cfg: Any) -> list[str]:
+    """``cluster.time_limits.<stage>`` values that are not Slurm times (``forever``, ``4h``), each
+    named with its field and the forms Slurm takes."""
+    limits = (cfg.cluster.get("time_limits") if hasattr(cfg.cluster, "get") else None) or {}
+    out = []
+    for stage, value in dict(limits).items():
+        try:
+            seconds = parse_time(str(value))
+            ok = seconds > 0
+        except (ValueError, LaunchError):
+            ok = False
+        if not ok:
+            out.append(
+                f"cluster.time_limits.{stage}={value!r} is not a Slurm time limit; give [D-]HH:MM:SS, HH:MM:SS, "
+                f"MM:SS or minutes, e.g. cluster.time_limits.{stage}=04:00:00 (4 hours) or 2-00:00:00 (2 days)"
+            )
+        elif stage not in STAGES:
+            out.append(f"cluster.time_limits.{stage}: {stage!r} is not a stage; the stages are {', '.join(STAGES)}")
+    return out
+
+
 def write_script(text: str, out_dir: Path, name: str) -> Path:
+    """``<out_dir>/<name>.sbatch``, written atomically (a temporary name, then renamed)."""
+    problem = out_dir_problem(out_dir)
+    if problem:
+        raise LaunchError(problem)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.sbatch"
-    path.write_text(text)
-    path.chmod(0o755)
+    tmp = out_dir / f".{name}.sbatch.tmp-{os.getpid()}"
+    tmp.write_text(text)
+    tmp.chmod(0o755)
+    os.replace(tmp, path)
     return path
 
 
@@ -192,7 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. cluster=slurm_2x8 +target=b200_128k")
     a = p.parse_args(argv)
     try:
+        if problem := out_dir_problem(a.out):  # before composing: nothing is rendered for nothing
+            raise LaunchError(problem)
         cfg = compose(a.overrides)
+        if problems := time_limit_problems(cfg):
+            raise LaunchError("; ".join(problems))
         launch(
             cfg, a.overrides, stage=a.stage, chain=a.chain, render_only=a.render_only, backend=a.backend, out_dir=a.out
         )

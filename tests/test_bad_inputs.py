@@ -83,7 +83,7 @@ CASES = {
     ),
     "a corpus whose split holds nothing out": (
         lambda t, g: ["data.kind=files", f"data.paths=[{_touch(t / 'one.txt', b'x' * 5000)}]", "data.heldout_files=[]"],
-        ["left 1 for training and 0 held out", "data.holdout_fraction"],
+        ["the corpus is one document (one.txt)", "give two or more files", "or a JSONL file"],
     ),
     "nan learning rate": (lambda t, g: ["distill.lr=nan"], ["distill.lr=nan must be positive: give a finite number"]),
     "unknown teacher precision": (

@@ -19,7 +19,11 @@ Unknown choices of a config group and every validation problem end in one messag
 and exit status 2, never a traceback — and before Hydra creates or writes anything in the run
 directory (:func:`preflight`): a rejected command leaves a finished run's ``.hydra/`` as it was.
 Hydra's flags (``--cfg job``, ``--help``, ``--info`` ...) work wherever they are placed
-(:func:`flags_first`).
+(:func:`flags_first`). Hydra's own messages that point the wrong way are answered first: a setting
+the schema lacks given without ``+`` (``sed=1``: did you mean ``seed``, :func:`unknown_override`), a
+group chosen twice (:func:`duplicate_choices`), a Slurm cluster run outside Slurm
+(:func:`invocation_problems`). Every entry point ends the same way (:func:`run_task`): Ctrl-C says
+"interrupted; rerun the same command to resume" (exit 130), a full disk is one line naming the path.
 """
 
 from __future__ import annotations
@@ -115,7 +119,7 @@ def check_choices(args: Sequence[str]) -> None:
     the available names (``model``, ``target``, ``search`` ... and a target's parts)."""
     if any(a.startswith(("hydra.searchpath", "+hydra.searchpath")) for a in args):
         return  # configs may come from elsewhere; let Hydra look
-    problems = []
+    problems = duplicate_choices(args)
     for a in args:
         m = _CHOICE_RE.match(a)
         if not m:
@@ -131,6 +135,64 @@ def check_choices(args: Sequence[str]) -> None:
             problems.append(f"unknown {group} {value!r}; available {group} configs: {', '.join(names)}")
     if problems:
         raise ConfigError(problems)
+
+
+def duplicate_choices(args: Sequence[str]) -> list[str]:
+    """One problem per config group *added* more than once (``+target=a target=b``: the target is
+    always added, see :func:`normalize_overrides`): Hydra's own answer is advice in YAML defaults-list
+    syntax. A group overridden twice without ``+`` (``model=a model=b``) is Hydra's "last one wins"."""
+    chosen: dict[str, list[str]] = {}
+    for a in args:
+        m = _CHOICE_RE.match(a)
+        if m and a.startswith("+") and (m.group(1) in GROUPS or m.group(1) in TARGET_PARTS):
+            chosen.setdefault(m.group(1) + (f"@{m.group(2)}" if m.group(2) else ""), []).append(a)
+    out = []
+    for group, given in chosen.items():
+        if len(given) > 1:
+            name = group.split("@")[0]
+            how = "+target=<name>" if name == "target" else f"{group}=<name>"
+            out.append(
+                f"{name} is chosen {len(given)} times ({', '.join(given)}); keep one {how}"
+                + (" (a target's parts are changed with engine@target.engine=<name>, ...)" if name == "target" else "")
+            )
+    return out
+
+
+_NOT_IN_STRUCT = re.compile(r"Could not override '([^']+)'|Key '([^']+)' is not in struct")
+
+
+def unknown_override(message: str, overrides: Sequence[str]) -> str | None:
+    """Hydra's "Could not override 'sed' ... Key 'sed' is not in struct" as one line naming the closest
+    setting of the typed schema (``sed=1``: did you mean ``seed``?), or None for another error."""
+    import dataclasses
+    import difflib
+    import typing
+
+    from autocompress_nemo.config.schema import RunConfig
+
+    m = _NOT_IN_STRUCT.search(message)
+    if not m:
+        return None
+    key = m.group(1) or m.group(2)
+    given = next((a for a in overrides if a.lstrip("+~").split("=", 1)[0] == key), key)
+    cls: Any = RunConfig
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(cls):
+            return None  # a free-form section: Hydra's word stands
+        hints = typing.get_type_hints(cls)
+        if part in hints:
+            cls = hints[part]
+            continue
+        prefix = ".".join(parts[:i])
+        names = list(hints)
+        near = difflib.get_close_matches(part, names, n=1)
+        section = prefix or "the run config"
+        where = f"{prefix}." if prefix else ""
+        return f"{given}: {section} has no setting {part!r}; " + (
+            f"did you mean {where}{near[0]}?" if near else f"its settings are {', '.join(names)}"
+        )
+    return None
 
 
 def compose(overrides: Sequence[str] | None = None) -> DictConfig:
@@ -149,7 +211,7 @@ def compose(overrides: Sequence[str] | None = None) -> DictConfig:
             cfg = hydra.compose(config_name=CONFIG_NAME, overrides=args)
         except (HydraException, OmegaConfBaseException) as e:
             cause = f"\n{e.__cause__}" if e.__cause__ is not None and str(e.__cause__) not in str(e) else ""
-            raise ConfigError([_first_lines(str(e) + cause)]) from None
+            raise ConfigError([unknown_override(str(e) + cause, args) or _first_lines(str(e) + cause)]) from None
     fill_model_from_file(cfg, args)  # model=hf / model=gguf: the shape from the parent's own files
     return cfg
 
@@ -167,6 +229,12 @@ def hydra_entry(task_fn: Callable[[DictConfig], Any], lock_run_dir: bool = False
 
     @functools.wraps(task_fn)
     def main() -> Any:
+        try:
+            return _main()
+        except KeyboardInterrupt:  # Ctrl-C before or between stages: the same line, no traceback
+            interrupted()
+
+    def _main() -> Any:
         register_configs()
         args = flags_first(normalize_overrides(sys.argv[1:]))
         try:
@@ -185,10 +253,11 @@ def hydra_entry(task_fn: Callable[[DictConfig], Any], lock_run_dir: bool = False
 
                 hc = HydraConfig.get()
                 fill_model_from_file(cfg, list(hc.overrides.task), hc.runtime.choices.get("model"))
-                validate(cfg)
+                validate_here(cfg, list(hc.overrides.task))
             except ConfigError as e:
                 _fail(e)
-            return task_fn(cfg)
+            one_line_log_file_errors()
+            return run_task(task_fn, cfg)
 
         try:
             return _run()
@@ -217,7 +286,7 @@ def preflight(args: Sequence[str], lock: bool = False) -> str | None:
     overrides = [a for a in args if not a.startswith("-") and not a.lstrip("+~").startswith("hydra.")]
     try:
         cfg = compose(overrides)
-        validate(cfg)
+        validate_here(cfg, overrides)
     except ConfigError as e:
         _fail(e)
     from autocompress_nemo.rundir import RunDirError, acquire_lock, archive_config_record, launch_rank, make_dir
@@ -234,6 +303,100 @@ def preflight(args: Sequence[str], lock: bool = False) -> str | None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     return run_dir if lock else None
+
+
+INTERRUPTED = "interrupted; rerun the same command to resume"
+"""What Ctrl-C ends with (exit status 130): finished stages are skipped, search and distill resume
+from their checkpoints."""
+
+
+def interrupted() -> None:
+    """Ctrl-C: one line (rank 0 only), exit status 130 (128 + SIGINT), no traceback."""
+    from autocompress_nemo.rundir import launch_rank
+
+    if launch_rank() == 0:
+        print(f"\nautocompress: {INTERRUPTED}", file=sys.stderr, flush=True)
+    sys.exit(130)
+
+
+def run_task(task_fn: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
+    """``task_fn(cfg)`` with the endings every entry point shares: Ctrl-C is :func:`interrupted`; a
+    full disk anywhere inside an exception — a distributed checkpoint's per-rank failures, a cause, a
+    library's text — is one line naming the path (``rundir.describe_os_error``), exit status 2.
+    ``AUTOCOMPRESS_DEBUG=1`` keeps the traceback."""
+    import os
+
+    from autocompress_nemo.rundir import describe_os_error, disk_error
+
+    try:
+        return task_fn(cfg)
+    except KeyboardInterrupt:
+        interrupted()
+    except Exception as e:  # noqa: BLE001 - re-raised unless it is a full disk
+        if os.environ.get("AUTOCOMPRESS_DEBUG") or not disk_error(e):
+            raise
+        print(f"autocompress: error: {describe_os_error(e, str(cfg.run_dir))}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if isinstance(e, SystemExit | GeneratorExit) or os.environ.get("AUTOCOMPRESS_DEBUG") or not disk_error(e):
+            raise
+        print(f"autocompress: error: {describe_os_error(e, str(cfg.run_dir))}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def one_line_log_file_errors() -> None:
+    """A log file that cannot be written (a full disk) is said once, in one line, instead of logging's
+    "--- Logging error ---" traceback at every message; the run goes on, logging to the console."""
+    import logging
+
+    from autocompress_nemo.rundir import describe_os_error
+
+    for h in logging.getLogger().handlers:
+        if not isinstance(h, logging.FileHandler) or getattr(h, "_one_line_errors", False):
+            continue
+
+        def handle_error(record: logging.LogRecord, h: logging.FileHandler = h) -> None:
+            if getattr(h, "_said", False):
+                return
+            h._said = True  # type: ignore[attr-defined]
+            err = sys.exc_info()[1]
+            what = describe_os_error(err, h.baseFilename) if isinstance(err, OSError) else str(err)
+            print(
+                f"autocompress: warning: cannot write the log file: {what}; logging to the console only",
+                file=sys.stderr,
+            )
+
+        h.handleError = handle_error  # type: ignore[method-assign]
+        h._one_line_errors = True  # type: ignore[attr-defined]
+
+
+def invocation_problems(cfg: DictConfig, overrides: Sequence[str] = ()) -> list[str]:
+    """Problems of running ``cfg`` *here*: a Slurm cluster config (``cluster=slurm_2x8``) outside a Slurm
+    job is submitted by ``autocompress-launch``, not run on this machine (``dry_run=true`` plans it here)."""
+    import os
+
+    cl = cfg.get("cluster") or {}
+    if str(cl.get("kind", "local")) != "slurm" or cfg.get("dry_run") or os.environ.get("SLURM_JOB_ID"):
+        return []
+    name = cl.get("name") or "slurm"
+    rest = " ".join(a for a in overrides if not a.startswith(("cluster=", "+cluster=")))
+    return [
+        f"cluster={name} is a Slurm cluster and this is not a Slurm job: Slurm configs go through the "
+        f"launcher, which renders and submits the sbatch job — autocompress-launch cluster={name} {rest} "
+        "(--render-only prints the script, --stage <stage> runs one stage); run here with cluster=local, "
+        "or plan with dry_run=true"
+    ]
+
+
+def validate_here(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
+    """``validate(cfg)`` and :func:`invocation_problems`, reported together (the invocation first)."""
+    here = invocation_problems(cfg, overrides)
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        raise ConfigError(here + e.problems) from None
+    if here:
+        raise ConfigError(here)
 
 
 def _job_name(task_fn: Callable[..., Any]) -> str:

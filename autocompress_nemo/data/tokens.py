@@ -12,6 +12,7 @@ document's id and text, so a different tokenizer or corpus never reads a stale c
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -106,12 +107,24 @@ def cache_key(docs: Sequence[Document], tokenizer: Any, eos_id: int) -> str:
 
 
 def _save_npy_atomic(path: Path, arr: np.ndarray) -> None:
+    """``arr`` to ``path`` through a temporary name; on a failed write (a full disk: numpy says "Not
+    enough free space to write N bytes" without an errno or a path) the partial file is removed and
+    the error is an ``OSError`` naming ``path``, with its errno."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        np.save(f, arr)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, arr)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename is not None and e.errno is not None:
+            raise
+        from autocompress_nemo.rundir import disk_error
+
+        code = e.errno or disk_error(e) or errno.EIO
+        raise OSError(code, os.strerror(code) + f" ({e})", str(path)) from e
 
 
 def cached_tokenize(
@@ -125,7 +138,10 @@ def cached_tokenize(
     if cache_dir is None:
         return tokenize(docs, tokenizer, eos)
     cache = Path(cache_dir)
-    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise OSError(errno.ENOTDIR, "the token cache directory is a file", str(cache)) from None
     key = cache_key(docs, tokenizer, eos)
     tok_path, off_path = cache / f"{key}.tokens.npy", cache / f"{key}.offsets.npy"
     if tok_path.exists() and off_path.exists():
