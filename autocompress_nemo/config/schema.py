@@ -265,6 +265,9 @@ class DataConfig:
     written by ``datasets.Dataset.save_to_disk``. ``megatron``: dataset prefixes (equal weights)."""
     jsonl_field: str = "text"
     """The text's field: the key of a JSONL line, the column of a Parquet file or saved dataset."""
+    encoding: str = "utf-8"
+    """The encoding text files are read in, strictly (a file not valid in it is refused, naming the
+    byte and the likely encoding); a UTF-8/16/32 byte-order mark overrides it (``data/encoding.py``)."""
     blend: list[Any] = field(default_factory=list)
     """``megatron``: ``[w1, prefix1, w2, prefix2, ...]``, each prefix's share of the tokens
     (``data/indexed.py``)."""

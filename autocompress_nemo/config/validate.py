@@ -63,6 +63,7 @@ def collect_problems(cfg: Any, building_parent: bool = False) -> list[str]:
             _check_run,
             _check_unknown_keys,
             _check_lengths,
+            _check_before_heavy_work,
         )
     )
     for check in checks:
@@ -491,7 +492,9 @@ def _check_data(c: dict, m: dict, t: dict) -> list[str]:
             p.append("data.kind=files needs data.paths, e.g. 'data.paths=[/data/corpus]'")
         for path in d.get("paths") or []:
             if not Path(str(path)).expanduser().exists():
-                p.append(f"data.paths: {path} does not exist")
+                from autocompress_nemo.data.corpus import missing_path_message
+
+                p.append(missing_path_message(Path(str(path)).expanduser(), "data.paths"))
     hf = d.get("holdout_fraction")
     if not isinstance(hf, float | int) or not 0 <= hf < 1:
         p.append(f"data.holdout_fraction={hf!r} must be in [0, 1)")
@@ -564,7 +567,7 @@ def _check_run(c: dict, m: dict, t: dict) -> list[str]:
     if c.get("cache_dir"):
         from autocompress_nemo.rundir import usable_problems
 
-        p += [q.replace("run_dir", "cache_dir", 1) for q in usable_problems(str(c["cache_dir"]))]
+        p += usable_problems(str(c["cache_dir"]), "cache_dir")
     if not isinstance(c.get("fail_exit_code", 0), int) or not 0 <= c.get("fail_exit_code", 0) <= 255:
         p.append(f"fail_exit_code={c.get('fail_exit_code')!r} must be an exit status, 0..255 (0: exit 0 on FAIL)")
     return p
@@ -599,3 +602,16 @@ def _check_unknown_keys(c: dict, m: dict, t: dict) -> list[str]:
     from autocompress_nemo.config.schema import RunConfig, unknown_keys
 
     return unknown_keys(c, RunConfig, "")
+
+
+def _check_before_heavy_work(c: dict, m: dict, t: dict) -> list[str]:
+    """What a later stage would find only after the stages before it ran (issue 39): a stage's memory
+    floor from shapes against this machine's memory, a memory / parameter budget below the embedding
+    every student keeps (``memory_floor.py``), ``distill.init_from`` and ``evaluate.lm_eval_tasks``
+    (present, readable, available offline; ``files.py``)."""
+    if _missing(m.get("name")):
+        return []  # the model check names it
+    from autocompress_nemo.config.files import init_from_problems, lm_eval_problems
+    from autocompress_nemo.config.memory_floor import budget_floor_problems, stage_memory_problems
+
+    return stage_memory_problems(c) + budget_floor_problems(c) + init_from_problems(c) + lm_eval_problems(c)
