@@ -107,10 +107,12 @@ def test_vectorized_scores_equal_the_direct_computation(megatron_tp1, name):
             assert bo[k].abs().max() > 0, k
             torch.testing.assert_close(bn[k], bo[k], rtol=1e-9, atol=1e-300)
     assert {"heads", "ffn"} <= names or {"experts", "expert_ffn"} <= names, names
-    po, pn = permutations_from_scores(spec, old, sort_hidden=True), permutations_from_scores(spec, new, sort_hidden=True)
+    po, pn = (
+        permutations_from_scores(spec, old, sort_hidden=True),
+        permutations_from_scores(spec, new, sort_hidden=True),
+    )
     assert torch.equal(po.hidden, pn.hidden)
     for bo, bn in zip(po.blocks, pn.blocks, strict=True):
         assert bo.keys() == bn.keys()
         for k in bo:
             assert torch.equal(bo[k], bn[k]), k
-

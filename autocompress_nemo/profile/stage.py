@@ -29,6 +29,7 @@ from autocompress_nemo.costs.engines import get_engine
 from autocompress_nemo.costs.engines.base import Workload
 from autocompress_nemo.costs.predictor import Predictor
 from autocompress_nemo.costs.profile import build_table
+from autocompress_nemo.costs.profile.provenance import Progress, planned_runs
 from autocompress_nemo.costs.table import CostTable, expected_settings, make_provenance
 from autocompress_nemo.profile import validate as val
 from autocompress_nemo.stages.layout import TABLE_DIR, TABLE_FILE, VALIDATION_DIR
@@ -85,8 +86,60 @@ def load_table(cfg: Any, table_path: str | Path) -> CostTable:
     return CostTable.load(table_path, expected=expected_provenance(cfg))
 
 
+PROFILE_CACHE_ENV = "ACN_PROFILE_CACHE"
+"""Where shared profiles live when ``cache_dir`` is not set (a directory), or ``off`` to never share."""
+
+
+def profile_cache_key(cfg: Any, provenance: dict[str, Any] | None = None) -> str:
+    """The declared inputs of a profile: the target's engine (name, dtype, settings, threads...),
+    hardware and workload, the parent's shape, the option grid (``profile_config_hash``), and what the
+    table must match when loaded (``expected_provenance``: the installed engine's version, the device
+    it reports, the decode context). Any change gives another key, hence a new profile."""
+    prov = expected_provenance(cfg) if provenance is None else provenance
+    return hash_obj({"config": profile_config_hash(cfg), "provenance": prov})
+
+
+def shared_profiles_dir(cfg: Any) -> Path | None:
+    """The cache of profiles shared by run directories: ``<cache_dir>/profiles`` when ``cache_dir`` is
+    set, else ``$ACN_PROFILE_CACHE``, else ``$XDG_CACHE_HOME/autocompress-nemo/profiles`` (default
+    ``~/.cache``); None when ``ACN_PROFILE_CACHE=off``."""
+    import os
+
+    env = os.environ.get(PROFILE_CACHE_ENV, "")
+    if env.lower() in ("off", "0", "none", "false"):
+        return None
+    given = str(OmegaConf.select(cfg, "cache_dir", default="") or "")
+    if given:
+        return Path(given).expanduser() / "profiles"
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "autocompress-nemo" / "profiles"
+
+
+def _usable(cfg: Any, d: Path, h: str) -> bool:
+    if not is_complete(d, h):
+        return False
+    try:
+        load_table(cfg, d / TABLE_FILE)
+        return True
+    except ValueError as e:
+        print(f"[profile] not reusing {d}: {e}", file=sys.stderr)
+        return False
+
+
+def _copy_table(src: Path, dest: Path, h: str, stage: str, **extra: Any) -> None:
+    import shutil
+
+    with artifact(dest, stage=stage, config_hash=h, extra=extra or None) as tmp:
+        shutil.copyfile(src / TABLE_FILE, tmp / TABLE_FILE)
+
+
 def run_profile(cfg: Any, out_dir: str | Path) -> Path:
-    """Build or reuse the cost table; returns the path of ``cost_table.json``."""
+    """Build or reuse the cost table; returns the path of ``cost_table.json``.
+
+    Reused, in order: this run directory's complete table; a shared profile with the same declared
+    inputs (``profile_cache_key``, under ``shared_profiles_dir``), copied in; else profiled here and
+    then published to the shared cache for the next run directory."""
     out = Path(out_dir) / TABLE_DIR
     h = profile_config_hash(cfg)
     if is_complete(out, h):
@@ -96,6 +149,20 @@ def run_profile(cfg: Any, out_dir: str | Path) -> Path:
             return out / TABLE_FILE
         except ValueError as e:
             print(f"[profile] rebuilding: {e}", file=sys.stderr)
+    shared_root = shared_profiles_dir(cfg)
+    shared = None
+    if shared_root is not None:
+        prov = expected_provenance(cfg)
+        if not prov.get("estimated"):  # an analytic table costs nothing to rebuild: never shared
+            shared = shared_root / profile_cache_key(cfg, prov)
+    if shared is not None and _usable(cfg, shared, h):
+        _copy_table(shared, out, h, "profile", reused_from=str(shared))
+        print(
+            f"[profile] reusing the shared profile {shared / TABLE_FILE} (same engine, device, workload, parent, "
+            "dtype and profiling settings; any change re-profiles)",
+            file=sys.stderr,
+        )
+        return out / TABLE_FILE
     parent = parent_spec(cfg)
     wl = Workload.from_config(cfg.target.workload)
     with artifact(out, stage="profile", config_hash=h, inputs={"parent": parent.to_json(None)}) as tmp:
@@ -104,6 +171,12 @@ def run_profile(cfg: Any, out_dir: str | Path) -> Path:
         table.provenance["target"] = str(cfg.target.name)
         table.save(tmp / TABLE_FILE)
         _rmtree(tmp / "work")
+    if shared is not None:
+        try:
+            _copy_table(out, shared, h, "profile", profiled_in=str(out))
+            print(f"[profile] shared as {shared} for other run directories", file=sys.stderr)
+        except OSError as e:  # a read-only or full cache never fails the run
+            print(f"[profile] could not share the profile in {shared}: {e}", file=sys.stderr)
     print(
         f"[profile] wrote {out / TABLE_FILE}: {table.provenance['engine_runs']} engine runs in "
         f"{table.provenance['profile_wall_s']:.0f} s ({table.label})",
@@ -142,23 +215,17 @@ def run_validate(
     t0 = time.time()
     with artifact(out, stage="validate", config_hash=hash_obj([str(table_path), n_rand, len(specs)])) as tmp:
         engine = get_engine(cfg.target, workdir=tmp / "work")
-        total = len(specs) * engine.settings.rounds
-        done = [0]
-
-        def progress(msg: str) -> None:
-            done[0] += 1
-            el = time.time() - t0
-            print(
-                f"[validate {done[0]}/{total}] timing{msg[msg.index(':') :]} ({total - done[0]} runs remain, "
-                f"~{el / done[0] * (total - done[0]):.0f} s left)",
-                file=sys.stderr,
-                flush=True,
-            )
+        reference = parent.replace(name="parent")
+        progress = Progress(
+            lambda line: print(line, file=sys.stderr, flush=True),
+            planned_runs(engine, specs, reference),
+            t0,
+            label="validate",
+            detail=True,
+        )
 
         # every model timed next to the parent; its ratio expressed in the table's parent times
-        measured = engine.measure_many(
-            specs, wl, log=progress, reference=parent.replace(name="parent"), scale=table.reference_times()
-        )
+        measured = engine.measure_many(specs, wl, log=progress, reference=reference, scale=table.reference_times())
         for spec, m in zip(specs, measured, strict=True):
             p = pred.predict(spec)
             meas = _latencies(m.prefill_ms, m.decode_ms, m.memory_bytes, wl.output_len)

@@ -149,7 +149,7 @@ class Accumulator:
         self,
         model: torch.nn.Module,
         batches: Iterable[torch.Tensor],
-        forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+        forward: Callable[[torch.nn.Module, torch.Tensor], Any],
     ) -> int:
         """``forward(model, input_ids_BT)`` over ``batches`` with the hooks on; returns the token count
         of this rank. The hooks are removed afterwards (also on error)."""

@@ -27,7 +27,7 @@ from autocompress_nemo.arch.spec import ArchSpec, MoeBlock
 from autocompress_nemo.blocks import kind_of
 from autocompress_nemo.blocks.moe import moe_parts
 from autocompress_nemo.costs.engines.base import Engine, Workload
-from autocompress_nemo.costs.profile.provenance import progress, run_row
+from autocompress_nemo.costs.profile.provenance import planned_runs, progress, run_row
 from autocompress_nemo.costs.table import PHASES, spec_hash
 
 
@@ -71,7 +71,7 @@ def hybrid_differences(
     results = engine.measure_many(
         specs,
         workload,
-        log=progress(log, len(specs) * engine.settings.rounds, time.time()),
+        log=progress(log, planned_runs(engine, specs, parent.replace(name="parent")), time.time()),
         reference=parent.replace(name="parent"),
     )
     base = results[0]

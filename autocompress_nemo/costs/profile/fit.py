@@ -50,7 +50,7 @@ import numpy as np
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.blocks import kind_of
 from autocompress_nemo.costs.engines.base import Engine, Workload
-from autocompress_nemo.costs.profile.provenance import progress, run_row
+from autocompress_nemo.costs.profile.provenance import planned_runs, progress, run_row
 from autocompress_nemo.costs.table import PHASES, spec_hash
 from autocompress_nemo.search.space import apply_choices, build_space
 
@@ -190,7 +190,10 @@ def hybrid_fit(
         f"search space) for {n_unknowns} unknowns; engine {engine.name} ({engine.version()}), workload {workload}"
     )
     results = engine.measure_many(
-        specs, workload, log=progress(log, len(specs) * s.rounds, time.time()), reference=parent.replace(name="parent")
+        specs,
+        workload,
+        log=progress(log, planned_runs(engine, specs, parent.replace(name="parent")), time.time()),
+        reference=parent.replace(name="parent"),
     )
     fits = {p: fit_costs(counts, np.array([getattr(m, p) for m in results])) for p in PHASES}
     intercept = {p: fits[p].intercept for p in PHASES}

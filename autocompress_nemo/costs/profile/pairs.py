@@ -46,7 +46,13 @@ from autocompress_nemo.config.engine import capabilities_of
 from autocompress_nemo.costs.engines.base import Engine, Measurement, Workload
 from autocompress_nemo.costs.memory import kv_cache_bytes, weight_bytes
 from autocompress_nemo.costs.profile.grid import dense_options
-from autocompress_nemo.costs.profile.provenance import reference_record, run_row, table_provenance
+from autocompress_nemo.costs.profile.provenance import (
+    Progress,
+    planned_runs,
+    reference_record,
+    run_row,
+    table_provenance,
+)
 from autocompress_nemo.costs.table import PHASES, CostTable
 
 Layer = tuple[AttentionBlock, MlpBlock]
@@ -151,18 +157,10 @@ def build_pairs_table(
             f"  model {i + 1}/{len(jobs)} {name}: {x[0].num_heads}h/{x[0].num_kv_groups}g ffn {x[1].ffn} x{k} "
             "between full layers"
         )
-    done = [0]
-    total = len(jobs) * s.rounds
+    reference = parent.replace(name="parent")
+    progress = Progress(log, planned_runs(engine, specs, reference), t_start, detail=True)
 
-    def progress(msg: str) -> None:
-        done[0] += 1
-        el = time.time() - t_start
-        log(
-            f"[profile {done[0]}/{total}] timing{msg[msg.index(':') :]} "
-            f"({total - done[0]} runs remain, ~{el / done[0] * (total - done[0]):.0f} s left)"
-        )
-
-    results = engine.measure_many(specs, workload, log=progress, reference=parent.replace(name="parent"))
+    results = engine.measure_many(specs, workload, log=progress, reference=reference)
     meas: dict[str, Measurement] = {}
     runs: list[dict[str, Any]] = []
     for (name, x, k), m, sp in zip(jobs, results, specs, strict=True):
@@ -195,7 +193,7 @@ def build_pairs_table(
     dtype = str(engine.cfg.dtype)
     base_spec = profile_spec(parent, plan.full, plan.full, 0, "base")
     memory = {
-        "output_bytes": base.memory.get("output", 0.0),
+        **_runtime_fit(engine, results, base),
         **_compute_probes(engine, parent, plan, workload, log),
         "weights_overhead_bytes": base.memory.get("weights", 0.0) - weight_bytes(base_spec, dtype),
         # KV cells the engine allocates for B x C tokens (llama.cpp pads to a multiple of 256)
@@ -222,6 +220,33 @@ def build_pairs_table(
         memory=memory,
         runs=runs,
     )
+
+
+def _runtime_fit(engine: Engine, results: list[Measurement], base: Measurement) -> dict[str, Any]:
+    """The runtime buffers (``output``): llama.cpp's output buffer is a constant (the base model's).
+    An engine whose runtime is read from its process's resident set (vLLM on CPU:
+    ``workers/vllm_worker.py``) holds more of it for more weights (its CPU linear layers keep
+    repacked copies), so there it is fitted over the profiling models as ``output = a + b x weights``
+    (least squares; ``b`` clamped at 0): ``output_bytes = a``, ``runtime_per_weight_byte = b``."""
+    out: dict[str, Any] = {"output_bytes": base.memory.get("output", 0.0)}
+    pts = [(m.memory.get("weights", 0.0), m.memory.get("output", 0.0)) for m in results]
+    if engine.name not in ("vllm", "trtllm") or len(pts) < 3 or not any(o for _, o in pts):
+        return out
+    import numpy as np
+
+    w, o = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+    if float(w.max() - w.min()) <= 0.0:
+        return out
+    b, a = np.polyfit(w, o, 1)
+    if b < 0:
+        b, a = 0.0, float(np.median(o))
+    resid = o - (a + b * w)
+    out.update(
+        output_bytes=float(a),
+        runtime_per_weight_byte=float(b),
+        runtime_fit={"models": len(pts), "max_abs_residual_bytes": float(np.abs(resid).max())},
+    )
+    return out
 
 
 def _compute_probes(

@@ -17,7 +17,16 @@ from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.costs.engines.base import Measurement
 from autocompress_nemo.costs.table import MEASURED_SETTINGS, expected_settings, make_provenance
 
-__all__ = ["MEASURED_SETTINGS", "expected_settings", "progress", "reference_record", "run_row", "table_provenance"]
+__all__ = [
+    "MEASURED_SETTINGS",
+    "Progress",
+    "expected_settings",
+    "planned_runs",
+    "progress",
+    "reference_record",
+    "run_row",
+    "table_provenance",
+]
 
 
 def table_provenance(
@@ -44,16 +53,79 @@ def table_provenance(
     return prov
 
 
-def progress(log: Callable[[str], None], total: int, t_start: float) -> Callable[[str], None]:
-    """A ``measure_many`` progress callback logging every tenth run and the last, with time left."""
-    done = [0]
+class Progress:
+    """A ``measure_many`` progress callback: one call per engine run, ``[label done/total]`` with the
+    time left, where ``done`` never passes ``total``.
 
-    def report(msg: str) -> None:
-        done[0] += 1
-        if done[0] % 10 == 0 or done[0] == total:
-            log(f"[profile {done[0]}/{total}] ~{(time.time() - t_start) / done[0] * (total - done[0]):.0f} s left")
+    ``total`` is the plan (``planned_runs``); a run the plan did not foresee — a paired engine's "one
+    more round" for a model whose ratios spread, or any run past the plan — raises the total before
+    it is counted, so the line never reads ``10/7`` or a negative number of runs left. ``every``:
+    log every ``every``-th run (and the last planned one); ``detail``: append the engine's own message."""
 
-    return report
+    def __init__(
+        self,
+        log: Callable[[str], None],
+        total: int,
+        t_start: float,
+        *,
+        label: str = "profile",
+        every: int = 1,
+        detail: bool = False,
+    ) -> None:
+        self.log, self.total, self.t_start = log, max(0, int(total)), t_start
+        self.label, self.every, self.detail = label, max(1, int(every)), detail
+        self.done = 0
+
+    def __call__(self, msg: str) -> None:
+        if msg.lstrip().startswith("one more round"):
+            self.total += 1  # announced by the engine as the extra run starts
+        self.done += 1
+        self.total = max(self.total, self.done)
+        left = self.total - self.done
+        if self.done % self.every and left:
+            return
+        eta = (time.time() - self.t_start) / self.done * left
+        what = f" {msg.strip()}" if self.detail else ""
+        self.log(f"[{self.label} {self.done}/{self.total}]{what} ({left} runs remain, ~{eta:.0f} s left)")
+
+
+def planned_runs(engine: Any, specs: list[ArchSpec], reference: ArchSpec | None, rounds: int | None = None) -> int:
+    """How many progress calls ``engine.measure_many(specs, ..., reference=reference)`` makes: one per
+    model and round for the engines timed in interleaved rounds (their log names each turn), and for
+    the engines timed in their own process per model (vLLM, TensorRT-LLM: ``hf_llm.py``) one per model
+    plus one per measurement of the reference (first, after every ``REFERENCE_EVERY`` models, last;
+    a model that is the reference is not measured again)."""
+    from autocompress_nemo.costs.engines.hf_llm import REFERENCE_EVERY, HfLlmEngine
+
+    if isinstance(engine, HfLlmEngine):
+        if reference is None or str(engine.settings.reference) != "parent":
+            return len(specs)
+        from autocompress_nemo.costs.table import spec_hash
+
+        ref = spec_hash(reference)
+        runs, done = 1, 0
+        for i, s in enumerate(specs):
+            if spec_hash(s) == ref:
+                continue
+            runs, done = runs + 1, done + 1
+            if done % REFERENCE_EVERY == 0 and i < len(specs) - 1:
+                runs += 1
+        return runs + (1 if done % REFERENCE_EVERY else 0)
+    rounds = int(rounds or engine.settings.rounds)
+    return len(specs) * rounds if rounds > 1 else 0  # one round: the turns are not logged (paired.py)
+
+
+def progress(
+    log: Callable[[str], None],
+    total: int,
+    t_start: float,
+    *,
+    label: str = "profile",
+    every: int = 10,
+    detail: bool = False,
+) -> Progress:
+    """``Progress`` logging every ``every``-th run and the last (see ``Progress``)."""
+    return Progress(log, total, t_start, label=label, every=every, detail=detail)
 
 
 def run_row(s: ArchSpec, m: Measurement, **extra: Any) -> dict[str, Any]:
