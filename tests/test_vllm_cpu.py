@@ -70,6 +70,42 @@ def test_vllm_reads_the_heterogeneous_student_as_the_spec(target, tmp_path) -> N
     assert eng.version().startswith("vllm 0.") and "CPU" in eng.device()
 
 
+def test_vllm_memory_is_what_its_process_holds_and_a_growing_workspace_moves_the_error(target, tmp_path) -> None:
+    """Memory is read from the resident set of the vLLM process that holds the model: the parts add up
+    to its peak over the runs (the KV pool's surplus over the workload taken out), the workspace is
+    counted, and when the workspace grows (the same model, a 16x longer prompt per forward) the error
+    of a prediction that keeps the short prompt's workspace moves by that growth. Before this, both
+    sides counted weights + KV from the shapes and the error could only be 0.0 %."""
+    spec = ArchSpec.llama(hidden=128, vocab=512, layers=2, heads=4, kv_groups=2, ffn=384, head_dim=32, name="ws")
+    eng = get_engine(target, tmp_path)
+    short, long = Workload(1, 64, 4, 256), Workload(1, 1024, 4, 1280)
+    got = {}
+    for name, wl in (("short", short), ("long", long)):
+        m = eng.measure(spec, wl, timing=False)
+        got[name] = (m, dict(eng.last_report["engine_report"]))
+    (ms, rs), (ml, rl) = got["short"], got["long"]
+    for m, r in ((ms, rs), (ml, rl)):
+        assert r["process_peak_reset"], r
+        assert m.memory_bytes == pytest.approx(r["process_memory_bytes"], rel=1e-9)  # the parts add up to the process
+        assert m.memory["compute"] > 0 and m.memory["output"] > 0
+        assert m.memory["weights"] == pytest.approx(param_count(spec) * 4, abs=256)
+    growth = ml.memory["compute"] - ms.memory["compute"]
+    assert growth > 2 * 1024 * 128 * 4, (ms.memory, ml.memory)  # at least a few [tokens x hidden] f32 activations
+    kv_long = mem.kv_cache_bytes(spec, long.context_len, long.batch, "f32")
+    assert ml.memory["kv"] == kv_long
+    # a prediction for the long prompt with the short prompt's workspace and runtime: its error moves by the growth
+    pred = ms.memory["weights"] + kv_long + ms.memory["compute"] + ms.memory["output"]
+    err = (pred - ml.memory_bytes) / ml.memory_bytes
+    expected = (ms.memory["output"] - ml.memory["output"] - growth) / ml.memory_bytes
+    assert err == pytest.approx(expected, rel=1e-9)
+    assert err < -0.5 * growth / ml.memory_bytes
+    print(
+        f"vLLM process memory: short {ms.memory_bytes / 2**20:.1f} MiB (workspace {ms.memory['compute'] / 2**20:.1f}), "
+        f"long {ml.memory_bytes / 2**20:.1f} MiB (workspace {ml.memory['compute'] / 2**20:.1f}); "
+        f"error of the short-workspace prediction {100 * err:+.2f}%"
+    )
+
+
 def test_vllm_logits_match_the_project_forward_on_the_exported_student(target, tmp_path) -> None:
     from autocompress_nemo.models.llama.hf_io import export_hf
     from autocompress_nemo.models.llama.reference import random_hf_state_dict, reference_logits

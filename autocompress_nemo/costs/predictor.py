@@ -64,6 +64,7 @@ class Predictor:
         self.conv_extra = int(table.memory.get("conv_extra", 0))  # engine's extra conv-state columns
         # KV tokens at full context and batch as the engine allocates them (padding included)
         self.kv_tokens = int(table.memory.get("kv_tokens", self.context_len * self.batch))
+        self.runtime_per_weight = float(table.memory.get("runtime_per_weight_byte", 0.0))  # vLLM on CPU
 
     @property
     def estimated(self) -> bool:
@@ -82,7 +83,8 @@ class Predictor:
             )
         if metric == "memory_bytes":
             return (
-                mem.block_weight_bytes(block, self.table.parent.hidden, self.dtype, self.norm_dtype)
+                (1.0 + self.runtime_per_weight)
+                * mem.block_weight_bytes(block, self.table.parent.hidden, self.dtype, self.norm_dtype)
                 + mem.block_kv_bytes(block, self.kv_tokens, 1, self.kv_dtype)
                 + mem.block_state_bytes(block, self.batch, self.state_dtype, self.conv_extra)
             )
@@ -105,7 +107,11 @@ class Predictor:
             return lat["prefill_ms"] + self.output_len * lat["decode_ms"]
         if metric == "memory_bytes":
             parts = self.memory_parts(spec)
-            return parts["weights_outside_blocks"] + parts["compute"] + parts["output"]
+            return (
+                (1.0 + self.runtime_per_weight) * parts["weights_outside_blocks"]
+                + parts["compute"]
+                + float(self.table.memory.get("output_bytes", 0.0))
+            )
         if metric == "params":
             return float(embedding_params(spec))
         raise ValueError(_metric_error(metric))
@@ -128,7 +134,8 @@ class Predictor:
             "kv": mem.kv_cache_bytes(spec, self.kv_tokens, 1, self.kv_dtype),
             "state": mem.ssm_state_bytes(spec, self.batch, self.state_dtype, self.conv_extra),
             "compute": self.table.compute_bytes(spec),
-            "output": float(m.get("output_bytes", 0.0)),
+            # runtime buffers: a constant, plus (vLLM on CPU) a share of the weights (costs/profile/pairs.py)
+            "output": float(m.get("output_bytes", 0.0)) + self.runtime_per_weight * (outside + blocks_w),
         }
 
     # -- exact face -------------------------------------------------------------------

@@ -8,8 +8,13 @@ Tasks (protocol: ``_protocol.py``):
   call gets fresh random prompts, so no prefill is served from a cache. Memory through vLLM's API:
   weights = the bytes of the loaded model's parameters in the worker
   (``LLM.collective_rpc``), KV = the bytes per token of the KV cache vLLM allocated (its
-  ``kv_cache_config``) x ``context_len`` x ``batch``, compute = the CUDA allocator's peak over the
-  timed runs (the CPU build reports none: 0, its resident-set growth kept as ``engine_report``).
+  ``kv_cache_config``) x ``context_len`` x ``batch``. CUDA: compute = the allocator's peak over the
+  timed runs. CPU: what vLLM's engine process holds, from its resident set (``/proc/self/status``):
+  its peak is reset before the runs (``/proc/self/clear_refs``), compute (workspace) = the peak over
+  the runs above what it held before them, output (runtime: interpreter, torch / vLLM code and
+  buffers) = the rest after weights, KV and the KV pool's surplus (the pool is sized by this worker,
+  larger than the workload needs). The parts add up to the peak the process held (less the pool's
+  surplus): a prediction that misses the workspace or the runtime shows in the validation error.
 - ``logits``: the model's real weights; the top-``top_k`` log-probabilities vLLM gives every prompt
   position (``prompt_logprobs``).
 - ``version``.
@@ -104,6 +109,7 @@ def _worker_memory(worker: Any) -> dict[str, float]:
                 walk(v)
 
     walk(worker.model_runner.kv_caches)
+    status = _proc_status()
     kvc = worker.model_runner.kv_cache_config
     kv_total = float(sum(storages.values()))
     blocks = int(kvc.num_blocks)
@@ -113,10 +119,37 @@ def _worker_memory(worker: Any) -> dict[str, float]:
         "weights": float(weights),
         "kv_allocated": kv_total,
         "kv_tokens": float(blocks * block_size),
-        "rss": float(psutil.Process(os.getpid()).memory_info().rss),
+        "rss": float(status.get("VmRSS", psutil.Process(os.getpid()).memory_info().rss)),
+        "rss_peak": float(status.get("VmHWM", 0.0)),
         "allocated": float(torch.cuda.memory_allocated()) if cuda else 0.0,
         "peak": float(torch.cuda.max_memory_allocated()) if cuda else 0.0,
     }
+
+
+def _proc_status() -> dict[str, float]:
+    """``VmRSS`` / ``VmHWM`` (resident set and its peak) of this process in bytes (Linux ``/proc``)."""
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out[key] = float(rest.split()[0]) * 1024.0  # kB
+    except OSError:
+        pass
+    return out
+
+
+def _reset_peak(worker: Any) -> dict[str, float]:  # noqa: ARG001 -- collective_rpc passes the worker
+    """Runs inside vLLM's engine process: reset its resident-set peak (``VmHWM``) to what it holds now
+    (Linux ``/proc/self/clear_refs`` 5), so a later ``VmHWM`` is the peak of what runs after."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        ok = 1.0
+    except OSError:
+        ok = 0.0
+    return {**_proc_status(), "reset": ok}
 
 
 def _prompts(vocab: int, n: int, length: int, rng: random.Random) -> list[dict[str, list[int]]]:
@@ -145,24 +178,37 @@ def measure(req: dict[str, Any]) -> dict[str, Any]:
         return (time.perf_counter() - t) * 1e3
 
     before = llm.collective_rpc(_worker_memory)[0]
+    cuda = before["allocated"] > 0
+    held = llm.collective_rpc(_reset_peak)[0]  # the engine process's resident set, peak reset to it
     timed = int(timing["repeats"]) > 0  # 0: load and read the memory only
     for _ in range(max(0, int(timing.get("warmup", 2))) if timed else 0):
         gen(1)
         gen(1 + n)
-    if not timed and before["allocated"] > 0:  # CUDA: the workspace peak needs one forward
+    if not timed:  # the workspace peak needs a prefill and decode steps of the workload
         gen(1 + n)
     samples = timed_pairs(gen, int(timing["repeats"]), n)
     after = llm.collective_rpc(_worker_memory)[0]
     per_token = before["kv_allocated"] / max(before["kv_tokens"], 1.0)
-    cuda = after["peak"] > 0
-    memory = {
-        "weights": before["weights"],
-        "kv": per_token * int(wl["context_len"]) * batch,
-        # CUDA: the allocator's peak over the timed runs above what was held before them; the CPU
-        # build reports no workspace figure (its resident-set growth is kept in engine_report)
-        "compute": max(0.0, after["peak"] - before["allocated"]) if cuda else 0.0,
-        "output": 0.0,
-    }
+    kv = per_token * int(wl["context_len"]) * batch
+    surplus = max(0.0, before["kv_allocated"] - kv)  # the pool is sized by us (2x the workload's need, >= 64 MiB)
+    if cuda:
+        # CUDA: the allocator's peak over the runs above what was held before them is the workspace;
+        # the rest of what the engine holds on the device (CUDA context, graphs, sampler buffers) is
+        # not seen by the allocator: reported as 0 here, the device's own figure is in engine_report
+        compute = max(0.0, after["peak"] - before["allocated"])
+        runtime = 0.0
+        held_total = before["weights"] + kv + compute
+    else:
+        # CPU: what the engine process holds, from its resident set (Linux /proc/self/status):
+        # workspace = the peak over the runs above what it held before them (weights, KV pool,
+        # runtime); runtime = the rest (interpreter, torch / vLLM code and buffers), after taking
+        # out the weights and the KV pool. The total is the peak, the pool's surplus over the
+        # workload's KV taken out.
+        rss0, peak = held.get("VmRSS", before["rss"]), after["rss_peak"]
+        compute = max(0.0, peak - rss0) if held.get("reset") else 0.0
+        held_total = max(peak, rss0) - surplus
+        runtime = max(0.0, held_total - before["weights"] - kv - compute)
+    memory = {"weights": before["weights"], "kv": kv, "compute": compute, "output": runtime}
     return {
         "version": _version(),
         "device": _device(),
@@ -174,11 +220,20 @@ def measure(req: dict[str, Any]) -> dict[str, Any]:
             "kv": f"vLLM kv_cache_config: {per_token:.1f} bytes/token x context_len x batch",
             "compute": "vLLM worker: torch.cuda peak over the timed runs above the memory held before them"
             if cuda
-            else "not reported by vLLM on CPU (0)",
+            else "vLLM engine process: resident-set peak (VmHWM) over the runs above its resident set before them",
+            "output": "not measured on CUDA (0)"
+            if cuda
+            else "vLLM engine process: resident-set peak less weights, the workload's KV, the KV pool's surplus and "
+            "the workspace (interpreter, torch / vLLM runtime and buffers)",
         },
         "engine_report": {
             "kv_cache_tokens": before["kv_tokens"],
             "kv_cache_bytes": before["kv_allocated"],
+            "kv_pool_surplus_bytes": surplus,
+            "process_rss_before_runs": held.get("VmRSS", before["rss"]),
+            "process_rss_peak_runs": after["rss_peak"],
+            "process_peak_reset": bool(held.get("reset")),
+            "process_memory_bytes": held_total,
             "worker_rss_growth_bytes": after["rss"] - before["rss"],
         },
         "load_s": load_s,
