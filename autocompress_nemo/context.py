@@ -29,6 +29,33 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def to_hf(self) -> Any:
+        """The same tokenizer as a transformers ``PreTrainedTokenizerFast`` (byte-level BPE without
+        merges: byte ``b`` is id ``b``, the ids above 255 are special tokens, the last one EOS), so an
+        exported directory carries it; None where ``vocab <= 256`` (``b % (vocab - 1)`` folds bytes
+        together, which no Hugging Face tokenizer does)."""
+        if self.vocab <= 257:
+            return None
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        # GPT-2's byte -> printable character table (the ByteLevel pre-tokenizer's alphabet)
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+        chars, extra = {}, 0
+        for b in range(256):
+            if b in printable:
+                chars[b] = chr(b)
+            else:
+                chars[b] = chr(256 + extra)
+                extra += 1
+        vocab = {chars[b]: b for b in range(256)}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        specials = [f"<|byte_extra_{i}|>" for i in range(256, self.vocab - 1)] + ["<|endoftext|>"]
+        tok.add_special_tokens(specials)
+        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+
 
 class Context:
     def __init__(self, cfg: DictConfig, say: Any = print):
@@ -127,11 +154,13 @@ class Context:
         ``export/hf_config.py``), with the configuration / modeling code its ``auto_map`` names."""
         if engine is None:
             engine = str(OmegaConf.select(self.cfg, "target.engine.name", default="") or "")
+        from autocompress_nemo.models.hf_dir import hf_tokenizer
+
         if spec.is_dense_layered():
             from autocompress_nemo.models.llama.hf_io import export_hf
         else:
             from autocompress_nemo.models.nemotron_h import export_hf
-        return export_hf(spec, sd, out_dir, tokenizer=None, engine=engine)
+        return export_hf(spec, sd, out_dir, tokenizer=hf_tokenizer(self.tokenizer), engine=engine)
 
     @staticmethod
     def forward(model: torch.nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:

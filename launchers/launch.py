@@ -11,7 +11,8 @@ computes.
 
 Backends for Slurm: ``sbatch`` (default) submits the rendered script from ``slurm/`` with
 ``sbatch --parsable``; ``submitit`` submits the same torchrun step through submitit's
-``SlurmExecutor`` (job objects, states and requeue handled by submitit).
+``SlurmExecutor`` (job objects, states and requeue handled by submitit). ``nemo_run`` runs or
+submits through NeMo-Run's Local / Docker / Slurm executors (``launchers/nemo_run.py``).
 """
 
 from __future__ import annotations
@@ -184,6 +185,10 @@ def launch(
     """Render (and unless ``render_only``, submit or run) the requested job(s); returns job ids
     (Slurm) or the local return codes as strings."""
     stages = list(cfg.stages) if stage == "pipeline" else [stage]
+    if backend == "nemo_run":  # NeMo-Run executors (Local / Docker / Slurm), one task per stage
+        from launchers.nemo_run import launch as nemo_run_launch
+
+        return nemo_run_launch(cfg, overrides, stages=stages, render_only=render_only, out_dir=out_dir)
     if str(cfg.cluster.kind) == "local":
         codes = []
         for st in stages:
@@ -231,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         "--chain", action="store_true", help="pipeline as one Slurm job per stage, each after the previous (afterok)"
     )
     p.add_argument("--render-only", action="store_true", help="write and print the scripts / commands; submit nothing")
-    p.add_argument("--backend", choices=["sbatch", "submitit"], default="sbatch")
+    p.add_argument("--backend", choices=["sbatch", "submitit", "nemo_run"], default="sbatch")
     p.add_argument("--out", type=Path, default=None, help="where rendered scripts go (default <run_dir>/slurm)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. cluster=slurm_2x8 +target=b200_128k")
     a = p.parse_args(argv)

@@ -34,6 +34,7 @@ IMPORT_DEPS=(
   sentencepiece tokenizers
   pillow                             # VLM bridges import PIL at module level
   tensorboard
+  nvidia-modelopt                    # megatron/bridge/training/checkpointing.py imports modelopt.torch.opt (and KD: modelopt.torch.distill)
 )
 
 if [[ -x "$DIR/bin/python" ]] && "$DIR/bin/python" -c 'import megatron.bridge' >/dev/null 2>&1; then

@@ -249,7 +249,13 @@ def hf_config_from_spec(spec: ArchSpec, engine: str = "") -> dict[str, Any]:
         }
         if varies_q and not att.removed:
             a["num_attention_heads"] = att.num_heads
-        f: dict[str, Any] = {"no_op": mlp.removed, "replace_with_linear": False}
+        # ffn_hidden_size: megatron-core's HeterogeneousTransformerConfig (Megatron-Bridge's llama_nemotron
+        # provider) takes it exactly; from ffn_mult alone it rounds up to a multiple of 256
+        f: dict[str, Any] = {
+            "no_op": mlp.removed,
+            "replace_with_linear": False,
+            "ffn_hidden_size": None if mlp.removed else mlp.ffn,
+        }
         if not mlp.removed:
             if engine != "trtllm":
                 f["intermediate_size"] = mlp.ffn

@@ -49,8 +49,10 @@ def write_hf_dir(
     dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Write ``config.json`` (and the remote code its ``auto_map`` names, ``write_hf_config``),
-    ``model.safetensors`` (sharded above 4 GiB, with an index), ``arch.json`` (the spec) and the
-    tokenizer into ``out_dir``."""
+    ``model.safetensors`` (sharded above 4 GiB, with an index), ``arch.json`` (the spec), the
+    tokenizer (its files from ``save_pretrained``) and ``generation_config.json`` into ``out_dir``:
+    a directory that transformers' ``pipeline("text-generation", model=out_dir)`` and ``vllm serve``
+    start from alone."""
     from safetensors.torch import save_file
 
     out = write_hf_config(out_dir, cfg, str(dtype).removeprefix("torch."))
@@ -76,7 +78,35 @@ def write_hf_dir(
     (out / "arch.json").write_text(spec.to_json())
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
+    write_generation_config(out, cfg, tokenizer)
     return out
+
+
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """``tokenizer`` as something with ``save_pretrained`` (a transformers tokenizer as it is, the
+    project's ``ByteTokenizer`` through its ``to_hf``), or None where it has no Hugging Face form."""
+    if tokenizer is None or hasattr(tokenizer, "save_pretrained"):
+        return tokenizer
+    to_hf = getattr(tokenizer, "to_hf", None)
+    return to_hf() if callable(to_hf) else None
+
+
+def write_generation_config(out_dir: str | os.PathLike[str], cfg: dict[str, Any], tokenizer: Any = None) -> Path:
+    """``generation_config.json``: the BOS / EOS / pad ids (from the tokenizer, else the config) that
+    ``generate``, a text-generation pipeline and ``vllm serve`` read from the directory; greedy by default
+    (the student is compared greedily here; a sampling setting is the user's)."""
+    gen: dict[str, Any] = {"_from_model_config": False, "do_sample": False}
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, name, None) if tokenizer is not None else None
+        if value is None:
+            value = cfg.get(name)
+        if value is not None:
+            gen[name] = value
+    if "pad_token_id" not in gen and "eos_token_id" in gen:
+        gen["pad_token_id"] = gen["eos_token_id"]
+    path = Path(out_dir) / "generation_config.json"
+    path.write_text(json.dumps(gen, indent=1, sort_keys=True))
+    return path
 
 
 def read_hf_dir(

