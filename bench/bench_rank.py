@@ -11,7 +11,9 @@ both):
 - ``new``: this checkout's ``rank.importance.collect_importance`` (head norms through each head's
   Gram matrix, token sums in float64 without float64 copies, the forward stopped before the LM head).
 
-Both must give the same scores (max relative difference reported) and the same permutations.
+``forward_only`` times the forward the new pass runs (stopped before the LM head) without any hook:
+what is left above it is the scoring's own cost, what is left below the FLOP bound is Megatron's
+CPU forward (RoPE, norms, unfused attention, copies). Both scorers must give the same scores (max relative difference reported) and the same permutations.
 FLOP bound: the multiply-adds of one forward (every weight matrix once, attention scores and values
 over the sequence as the unfused CPU attention computes them; with and without the LM head) at the
 best float32 matmul rate measured in the same run on the model's own shapes.
@@ -136,7 +138,11 @@ def main() -> None:
     variants = {
         "old": {"accumulator": old_acc, "skip_head": False},
         "new": {},
+        "forward_only": None,  # the forward the new pass runs (no LM head), without hooks: its floor
     }
+    from autocompress_nemo.rank.importance import _without_head
+
+    headless = _without_head(model, forward_logits)
     times: dict[str, list[float]] = {k: [] for k in variants}
     scores: dict[str, Any] = {}
     rates: list[dict[str, float]] = []
@@ -144,7 +150,13 @@ def main() -> None:
         rates.append(matmul_rate(spec, a.batch * a.seq))
         for name in list(variants)[:: -1 if r % 2 else 1]:
             t = time.perf_counter()
-            scores[name] = collect_importance(model, spec, batches, forward_logits, **variants[name])
+            kw = variants[name]
+            if kw is None:
+                with torch.no_grad():
+                    for x in batches:
+                        headless(model, x)
+            else:
+                scores[name] = collect_importance(model, spec, batches, forward_logits, **kw)
             times[name].append(time.perf_counter() - t)
             print(f"round {r + 1}/{a.rounds} {name}: {times[name][-1]:.1f} s", file=sys.stderr, flush=True)
     rate = {k: max(x[k] for x in rates) for k in rates[0]}
@@ -186,6 +198,8 @@ def main() -> None:
         "flop_bound_s_full_forward": bound(f_head),
         "flop_bound_s_without_lm_head": bound(f_nohead),
         "new_over_bound_without_lm_head": best["new"] / bound(f_nohead),
+        "forward_only_over_bound_without_lm_head": best["forward_only"] / bound(f_nohead),
+        "new_over_forward_only": best["new"] / best["forward_only"],
         "new_over_bound_full_forward": best["new"] / bound(f_head),
         "old_over_bound_full_forward": best["old"] / bound(f_head),
         "fraction_of_flop_bound_new": bound(f_nohead) / best["new"],

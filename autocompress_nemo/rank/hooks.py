@@ -83,6 +83,7 @@ class Accumulator:
         self.reduce: dict[Hashable, Reduce] = {}
         self.groups = groups or {"tp": (1, None), "ep": (1, None), "etp": (1, None)}
         self._handles: list[Any] = []
+        self._consts: dict[tuple[int, str], torch.Tensor] = {}
 
     def zeros(self, key: Hashable, shape: tuple[int, ...], module: torch.nn.Module, reduce: Reduce) -> None:
         """Create the sum ``key`` (zeros of ``shape``, on ``module``'s device) unless it exists."""
@@ -101,6 +102,14 @@ class Accumulator:
     def post_hook(self, module: torch.nn.Module, fn: Callable[[Any, tuple, Any], None]) -> None:
         self._handles.append(module.register_forward_hook(fn))
 
+    def _const(self, mod: torch.nn.Module, what: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``fn`` of ``mod``'s weight in float64, computed once per pass (the weights do not change
+        during the calibration pass)."""
+        key = (id(mod), what)
+        if key not in self._consts:
+            self._consts[key] = fn(mod.weight.detach().double())
+        return self._consts[key]
+
     def head_norms(self, proj: torch.nn.Module, key: Hashable, head_dim: int) -> None:
         """``sum_t ||W[:, i] o_ti||`` per head ``i`` of an output projection ``proj`` (input
         ``o [..., n*d]``, row-parallel weight ``W [h, n*d]``): each head's contribution to the output.
@@ -112,11 +121,14 @@ class Accumulator:
         n = _in_features(proj) // head_dim
         self.zeros(key, (n,), proj, Reduce.UNITS)
 
+        def gram_of(w: torch.Tensor) -> torch.Tensor:
+            v = w.view(-1, n, head_dim)
+            return torch.einsum("hnd,hne->nde", v, v)
+
         def hook(mod: Any, args: tuple) -> None:
-            w = mod.weight.detach().double().view(-1, n, head_dim)
-            gram = torch.einsum("hnd,hne->nde", w, w)  # [n, d, d]
+            gram = self._const(mod, "gram", gram_of)
             o = args[0].detach().reshape(-1, n, head_dim).double().transpose(0, 1)  # [n, T, d]
-            sq = (torch.bmm(o, gram) * o).sum(dim=-1)  # [n, T]: ||W_i o_ti||^2
+            sq = (torch.bmm(o, gram) * o).sum(dim=-1)  # [n, T]: ||W_i o_ti||^2 (G_i = W_i^T W_i: [n, d, d])
             self.add(key, sq.clamp_min_(0.0).sqrt_().sum(dim=1))
 
         self.pre_hook(proj, hook)
@@ -130,7 +142,8 @@ class Accumulator:
 
         def hook(mod: Any, args: tuple) -> None:
             a = args[0].detach().reshape(-1, f)
-            self.add(key, a.abs().sum(dim=0, dtype=torch.float64) * mod.weight.detach().double().norm(dim=0), row)
+            norms = self._const(mod, "column_norms", lambda w: w.norm(dim=0))
+            self.add(key, a.abs().sum(dim=0, dtype=torch.float64) * norms, row)
 
         self.pre_hook(down, hook)
 
@@ -162,6 +175,7 @@ class Accumulator:
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
+            self._consts.clear()
         return tokens
 
     def reduced(self, key: Hashable, sequence_parallel: bool) -> torch.Tensor:
