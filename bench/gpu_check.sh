@@ -14,6 +14,10 @@
 #   pipeline_<engine>_<model>   the whole pipeline (profile .. export, search=quick distill=quick) on
 #                       tiny_llama and tiny_hybrid with the tiny_trtllm_gpu / tiny_vllm_gpu targets
 #                       (conf/target/), the engine worker under the engine's own interpreter
+#   bridge_recovery_recipe   recovery distillation as a Megatron-Bridge recipe (models/bridge_recipe.py):
+#                       a heterogeneous student checkpoint written by the project, the parent as teacher,
+#                       16 steps of Megatron-Bridge's distill loop under torchrun (1 GPU), checkpoint saved.
+#                       Written against megatron-bridge 0.6.2; untested on a GPU so far (docs/nemo.md)
 #
 # Environment:
 #   PY                  the project's interpreter (default .venv/bin/python, else python3)
@@ -22,6 +26,8 @@
 #                       an engine found in neither is a "skip" with the reason, not a pass
 #   GPU_CHECK_DIR       where run directories and logs go (default: a new temporary directory)
 #   GPU_CHECK_PIPELINE_S  time limit of one pipeline run in seconds (default 105)
+#   ACN_BRIDGE_PYTHON   interpreter with megatron.bridge and Transformer Engine (default: PY when it
+#                       imports megatron.bridge, e.g. the NeMo Framework container); none: a "skip"
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 if [[ -z "${PY:-}" ]]; then
@@ -127,6 +133,24 @@ for spec in "trtllm tensorrt_llm ACN_TRTLLM_PYTHON" "vllm vllm ACN_VLLM_PYTHON";
       "target.engine.python=$epy" "run_dir=$OUT/runs/$name"
   done
 done
+
+# --- recovery distillation as a Megatron-Bridge recipe ----------------------------------------
+bpy="${ACN_BRIDGE_PYTHON:-}"
+if [[ -z "$bpy" ]] && "$PY" -c 'import megatron.bridge' >/dev/null 2>&1; then bpy="$PY"; fi
+if [[ -z "$bpy" ]]; then
+  emit bridge_recovery_recipe skip 0 "no interpreter with megatron.bridge: set ACN_BRIDGE_PYTHON (the NeMo Framework container's python; docs/nemo.md)"
+elif ! "$bpy" -c 'import transformer_engine.pytorch' >/dev/null 2>&1; then
+  emit bridge_recovery_recipe fail 0 "$bpy has megatron.bridge but no transformer_engine.pytorch (megatron.bridge 0.6.2 needs it on GPU)"
+else
+  BR="$OUT/bridge"
+  run_check bridge_recovery_recipe 240 "$OUT/bridge.log" -- bash -c "
+    set -e
+    ACN_BRIDGE_PYTHON='$bpy' '$PY' bench/gpu_check_bridge.py '$BR'
+    PYTHONPATH=\"\$PWD\" '$bpy' -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node=1 \
+      -m autocompress_nemo.models.bridge_recipe --config '$BR/inputs.json' --out '$BR/recipe.yaml' --run
+    ls -d '$BR'/bridge_distill/checkpoints/iter_* >/dev/null
+    echo 'Megatron-Bridge distill ran and saved a checkpoint'"
+fi
 
 # --- summary ----------------------------------------------------------------------------------
 failed=""

@@ -4,7 +4,8 @@
 #   scripts/make_bridge_venv.sh [DIR]      # default DIR: .venv-bridge in the repository root
 #
 # then the Megatron-Bridge tests (tests/test_megatron_bridge*.py) and autocompress_nemo/models/bridge.py
-# use DIR/bin/python ($ACN_BRIDGE_PYTHON, else .venv-bridge/bin/python). `make bridge` runs this.
+# use DIR/bin/python ($ACN_BRIDGE_PYTHON, else .venv-bridge/bin/python). Measured: ~5 min on 2 shared
+# cores (most of it torch), ~6 GB. CI (.ci/run) does not build it: the tests skip, saying why.
 #
 # Why a venv of its own: megatron-bridge 0.6.2 requires transformers>=5.8,<=5.12.1 and the project
 # runs on transformers 5.24 (in the project's venv `import megatron.bridge` fails with
@@ -15,8 +16,12 @@
 # megatron.bridge`, AutoBridge, the GPT / Llama-Nemotron / Nemotron-H bridges or the checkpoint
 # loader. What the imports need is listed in IMPORT_DEPS below (measured: each one was added
 # after the import failed without it). transformer-engine is never installed (it breaks
-# `import megatron.core` on a machine without CUDA). torch comes from constraints.txt (the wheel
-# the project's venv already uses).
+# `import megatron.core` on a machine without CUDA); megatron.bridge 0.6.2 imports it at
+# peft/lora_layers.py:20, so models/bridge.py imports it with an import-only stand-in.
+# nvidia-resiliency-ext is left out: the only version PyPI has for this platform, 0.4.1, has no
+# __version__ and breaks `import megatron.core` 0.19.2 (dist_checkpointing/strategies/nvrx.py:85);
+# without it the training loops (training/pretrain.py:19) do not import, conversion and checkpoint
+# loading do. torch comes from constraints.txt (the wheel the project's venv already uses).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DIR="${1:-$ROOT/.venv-bridge}"
@@ -35,10 +40,23 @@ IMPORT_DEPS=(
   pillow                             # VLM bridges import PIL at module level
   tensorboard
   nvidia-modelopt                    # megatron/bridge/training/checkpointing.py imports modelopt.torch.opt (and KD: modelopt.torch.distill)
+  megatron-energon                   # megatron/bridge/training/model_load_save.py -> data/energon imports megatron.energon
 )
 
-if [[ -x "$DIR/bin/python" ]] && "$DIR/bin/python" -c 'import megatron.bridge' >/dev/null 2>&1; then
-  echo "[bridge] $DIR already has megatron-bridge $("$DIR/bin/python" -c 'import megatron.bridge as b; print(b.__version__)')"
+# `import megatron.bridge` fails without Transformer Engine (megatron/bridge/peft/lora_layers.py:20);
+# autocompress_nemo.models.bridge.import_bridge() imports it with an import-only stand-in
+check() {
+  PYTHONPATH="$ROOT" "$1" - <<'PY'
+from autocompress_nemo.models.bridge import import_bridge
+import megatron.bridge.training.model_load_save  # noqa: F401  (the checkpoint loader)
+from megatron.bridge import AutoBridge  # noqa: F401
+v = import_bridge()["versions"]
+print("[bridge] " + ", ".join(f"{k} {x}" for k, x in v.items()))
+PY
+}
+if [[ -x "$DIR/bin/python" ]] && "$DIR/bin/python" -c 'import importlib.util as u, sys; sys.exit(0 if u.find_spec("megatron.bridge") else 1)' >/dev/null 2>&1; then
+  echo "[bridge] $DIR already has megatron-bridge"
+  check "$DIR/bin/python"
   exit 0
 fi
 find_python() {
@@ -67,10 +85,5 @@ MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
   "$VPY" -m pip install --quiet --no-deps --no-build-isolation mamba-ssm==2.3.2.post1
 # the project is not installed here: its code runs in this venv with PYTHONPATH=<repo> (the
 # project's transformers cap is not this venv's)
-"$VPY" - <<'PY'
-import megatron.bridge, megatron.core, torch, transformers
-from megatron.bridge import AutoBridge  # noqa: F401
-print(f"[bridge] megatron-bridge {megatron.bridge.__version__}, megatron-core {megatron.core.__version__}, "
-      f"transformers {transformers.__version__}, torch {torch.__version__}")
-PY
+check "$VPY"
 echo "[bridge] installed in $(( $(date +%s) - start )) s"

@@ -264,12 +264,17 @@ def test_gpu_check_fails_loudly_and_reports_every_check(tmp_path: Path) -> None:
         "te_layer_spec": "fail",
         "nccl_tp2": "skip",
         **dict.fromkeys(pipelines, "fail"),
+        "bridge_recovery_recipe": "fail",
         "summary": "fail",
     }
     detail = {ln["check"]: ln.get("detail", "") for ln in lines}
     assert "driver gone" in detail["nvidia-smi"] and "stub cannot run" in detail["pipeline_vllm_tiny_hybrid"]
     assert "+target=tiny_vllm_gpu" in detail["pipeline_vllm_tiny_hybrid"]
-    assert lines[-1]["failed"] == ["nvidia-smi", "te_layer_spec", *pipelines]
+    assert (
+        "gpu_check_bridge.py" in detail["bridge_recovery_recipe"]
+        or "stub cannot run" in detail["bridge_recovery_recipe"]
+    )
+    assert lines[-1]["failed"] == ["nvidia-smi", "te_layer_spec", *pipelines, "bridge_recovery_recipe"]
     assert "FAILED" in r.stderr
 
 
