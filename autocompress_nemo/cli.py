@@ -21,11 +21,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from autocompress_nemo.config.validate import STAGES
+from autocompress_nemo.stages import graph
 
-_UPSTREAM = ("profile", "validate", "rank", "search", "extract")
-"""What a student needs: the search reads the validation as well as the cost table and the ranking,
-so it is part of every student's inputs (leaving it out would give a different search artifact)."""
 VALIDATE_ARGS = ("validate", "mode=validate", "+mode=validate", "++mode=validate")
 """``autocompress-profile validate`` (or ``mode=validate``) adds the validate stage."""
 
@@ -41,8 +38,8 @@ class Script:
         return f"autocompress-{self.stage}"
 
     def stage_list(self) -> str:
-        """``[a,b]`` in the pipeline's order (the config validator checks the order)."""
-        return "[" + ",".join(s for s in STAGES if s in self.stages) + "]"
+        """``[a,b]`` in the pipeline's order."""
+        return "[" + ",".join(self.stages) + "]"
 
     def help_line(self, stages: str | None = None) -> str:
         what = "profile and validate stages" if stages == "[profile,validate]" else f"{self.stage} stage"
@@ -51,31 +48,31 @@ class Script:
             f"(python -m autocompress_nemo.search stages={stages or self.stage_list()} [overrides]): {self.what}"
         )
 
-
-SCRIPTS: dict[str, Script] = {
-    s.stage: s
-    for s in (
-        Script(
-            "profile",
-            ("profile",),
-            "the target's cost table in <run_dir>/profile; add `validate` for <run_dir>/validate "
-            "(>= 12 models measured in the engine vs the table's predictions)",
-        ),
-        Script("rank", ("rank",), "the importance-sorted parent in <run_dir>/rank"),
-        Script(
-            "extract", _UPSTREAM, "the searched architecture sliced out of the parent in <run_dir>/extract_<method>"
-        ),
-        Script("distill", (*_UPSTREAM, "distill"), "the recovered student in <run_dir>/distill_<method>"),
-        Script(
-            "export",
-            (*_UPSTREAM, "distill", "export"),
-            "the recovered student in the target engine's format, with its parity check, in <run_dir>/export_<method>",
-        ),
-        Script("evaluate", STAGES, "the students scored in <run_dir>/evaluate and report.md / report.json"),
-    )
-}
+    def upstream_line(self, stages: str | None = None) -> str:
+        """What the script runs before its own stage (each reused when complete, computed otherwise)."""
+        chosen = (stages or self.stage_list()).strip("[]").split(",")
+        before = [s for s in graph.closure(chosen) if s != self.stage and graph.by_name()[s].cached]
+        if not before:
+            return f"{self.name}: runs {self.stage} only"
+        return (
+            f"{self.name}: runs {', '.join(before)} first (each reused when its artifact is complete for the same "
+            f"inputs, computed otherwise), then {self.stage}"
+        )
 
 
+def _scripts() -> dict[str, Script]:
+    """One script per declared stage with a ``script`` text: its stage, everything it needs and
+    what those read when present (``validate``, which the search reads)."""
+    out = {}
+    for s in graph.stages():
+        if not s.script:
+            continue
+        need = graph.with_optional([s.name])
+        out[s.name] = Script(s.name, tuple(n for n in need if graph.by_name()[n].cached), s.script)
+    return out
+
+
+SCRIPTS: dict[str, Script] = _scripts()
 def argv_for(script: Script, argv: list[str]) -> list[str]:
     """The pipeline's command line for ``script`` called with ``argv`` (``argv[0]`` is the program).
 
@@ -100,11 +97,13 @@ def run_script(stage: str) -> None:
     from autocompress_nemo.search.__main__ import main as pipeline_main
 
     script = SCRIPTS[stage]
+    chosen = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.lstrip("+").startswith("stages=")), None)
+    validate = stage == "profile" and any(a in VALIDATE_ARGS for a in sys.argv[1:])
     if any(a in ("--help", "-h") for a in sys.argv[1:]):
-        chosen = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.lstrip("+").startswith("stages=")), None)
-        validate = stage == "profile" and any(a in VALIDATE_ARGS for a in sys.argv[1:])
         print(script.help_line(chosen or ("[profile,validate]" if validate else None)))
         print()
+    else:  # never start upstream stages silently
+        print(script.upstream_line(chosen or ("[profile,validate]" if validate else None)), flush=True)
     sys.argv = argv_for(script, sys.argv)
     pipeline_main()
 
@@ -118,6 +117,7 @@ def _entry(stage: str) -> Callable[[], None]:
     return main
 
 
+reconstruct_main = _entry("reconstruct")
 profile_main = _entry("profile")
 rank_main = _entry("rank")
 extract_main = _entry("extract")

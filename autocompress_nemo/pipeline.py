@@ -86,6 +86,8 @@ class Run:
         self.dir = make_dir(str(cfg.run_dir))  # a file / unwritable parent: one line naming the path
         self.say = say or (lambda s: print(s, flush=True))
         self.wall: dict[str, float] = {}
+        self.records: list[dict[str, Any]] = []
+        """What this invocation did, stage by stage (:meth:`note`): the runner's returned record."""
         self._data_fp: str | None = None
         self.suffix = ""
         """Appended to every stage directory this run names: ``@<budget>`` for a member of a family
@@ -163,15 +165,29 @@ class Run:
             stage.reads,
             inputs,
             rank0_only=stage.rank0_only,
+            meta={"name": stage.name, "method": method, "budget": self.suffix.lstrip("@") or None},
         )
+
+    def note(self, stage: str, status: str, /, **fields: Any) -> dict[str, Any]:
+        """Add one row to :attr:`records`: ``stage`` (the artifact's directory name), ``status``
+        (``ran``, ``skipped``, ``reused``, ``failed``, ``passed`` for a disabled stage, ``dropped``
+        for a method that could not run) and ``key``, ``seconds``, ``artifact``, ``why`` as known."""
+        row = {"stage": stage, "status": status, **fields}
+        self.records.append(row)
+        return row
 
     def reuse(self, stage: Any, inputs: list[Path] | None = None, method: str | None = None) -> Path | None:
         """The artifact of a declared stage that is not asked to run, when it is complete for the same
         inputs (a stage's result never depends on whether it ran in this invocation or an earlier one:
         a Slurm chain runs one stage per job); ``None`` otherwise."""
         final = self.dir / (stage.dir_name(method) + self.suffix)
-        if is_complete(final, self.config_hash(stage.reads, inputs or [], stage.name)):
+        h = self.config_hash(stage.reads, inputs or [], stage.name)
+        if is_complete(final, h):
             self.say(f"[{final.name}] reused: artifact complete for the same inputs ({final})")
+            self.note(
+                final.name, "reused", name=stage.name, method=method, budget=self.suffix.lstrip("@") or None,
+                key=h, seconds=0.0, artifact=str(final),
+            )
             return final
         return None
 
@@ -198,6 +214,7 @@ class Run:
         keys: tuple[str, ...],
         inputs: list[Path] | None = None,
         rank0_only: bool = False,
+        meta: dict[str, Any] | None = None,
     ) -> Path:
         """Run ``fn(tmp_dir)`` unless ``<run_dir>/<name>`` is complete for the same inputs.
 
@@ -206,9 +223,12 @@ class Run:
         inputs = inputs or []
         final = self.dir / name
         h = self.config_hash(keys, inputs, name)
+        row: dict[str, Any] = {**(meta or {"name": name}), "key": h, "artifact": str(final)}
         if is_complete(final, h):
             self.say(f"[{name}] skipped: artifact complete for the same inputs ({final})")
+            self.note(name, "skipped", seconds=0.0, **row)
             return final
+        why: list[str] = []
         if final.exists():
             problems = verify_or_explain(final)
             m = read_manifest(final)
@@ -216,14 +236,19 @@ class Run:
             self.say(f"[{name}] recomputing: " + "; ".join(why))
         self.say(f"[{name}] running")
         t0 = time.time()
-        if is_rank0():
-            with artifact(final, stage=name, config_hash=h, inputs={p.name: str(p) for p in inputs}) as tmp:
-                fn(tmp)
-        elif not rank0_only:  # other ranks compute too (collectives) but write into a scratch directory
-            with tempfile.TemporaryDirectory(prefix=f"{name}-rank") as scratch:
-                fn(Path(scratch))
-        barrier()
+        try:
+            if is_rank0():
+                with artifact(final, stage=name, config_hash=h, inputs={p.name: str(p) for p in inputs}) as tmp:
+                    fn(tmp)
+            elif not rank0_only:  # other ranks compute too (collectives) but write into a scratch directory
+                with tempfile.TemporaryDirectory(prefix=f"{name}-rank") as scratch:
+                    fn(Path(scratch))
+            barrier()
+        except BaseException as e:
+            self.note(name, "failed", seconds=time.time() - t0, why=f"{type(e).__name__}: {e}"[:300], **row)
+            raise
         self.wall[name] = time.time() - t0
+        self.note(name, "ran", seconds=self.wall[name], **row, **({"why": "; ".join(why)} if why else {}))
         self.say(f"[{name}] done in {self.wall[name]:.1f} s -> {final}")
         return final
 

@@ -105,7 +105,16 @@ def _point(
         ev = heldout_perplexity(ctx, cspec, sd, lm_eval=False)
         return _row(method, res, ev, time.perf_counter() - t0, source=f"the run's distill_{method}{suffix} stage")
     student = ctx.model(cspec, csd)
-    d = OmegaConf.merge(ctx.cfg.distill, {"tokens": int(tokens), "wandb_project": ""})
+    # the recovery budget split as the pipeline splits it: reconstruct.fraction locally, the rest globally
+    from autocompress_nemo.stages.reconstruct import reconstruct, split_tokens
+
+    budget_cfg = OmegaConf.merge(ctx.cfg, {"distill": {"tokens": int(tokens)}})
+    local, rest = split_tokens(budget_cfg)
+    local_rec = None
+    if local > 0:
+        local_rec = reconstruct(ctx, teacher, student, local, out / "local")
+        local_rec["heldout"] = heldout_perplexity(ctx, cspec, ctx.to_hf(cspec, student), lm_eval=False)
+    d = OmegaConf.merge(ctx.cfg.distill, {"tokens": int(rest), "wandb_project": ""})
     res = distill(
         student,
         teacher,
@@ -118,7 +127,19 @@ def _point(
         name=f"{method}@{tokens}",
     )
     ev = heldout_perplexity(ctx, cspec, ctx.to_hf(cspec, student), lm_eval=False)
-    return _row(method, res, ev, time.perf_counter() - t0, source=f"bench_quality ({out})")
+    row = _row(method, res, ev, time.perf_counter() - t0, source=f"bench_quality ({out})")
+    row["local_tokens"], row["global_tokens"] = local, int(res["tokens"])
+    row["tokens"] = local + int(res["tokens"])  # the recovery budget: local + global
+    if local_rec is not None:
+        row["after_local"] = {
+            "heldout_ppl": local_rec["heldout"]["heldout_ppl"],
+            "kd_to_parent_heldout": local_rec["heldout"]["kd_to_parent"],
+            "layer_nmse_mean_before": sum(local_rec["layer_nmse_before"]) / len(local_rec["layer_nmse_before"]),
+            "layer_nmse_mean_after": sum(local_rec["layer_nmse_after"]) / len(local_rec["layer_nmse_after"]),
+            "tokens_per_s": local_rec["tokens_per_s"],
+            "wall_s": local_rec["wall_s"],
+        }
+    return row
 
 
 def _pipeline_point(run: Path, method: str, tokens: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:

@@ -55,3 +55,23 @@ def run_cli(*args: str, cwd: Any, timeout: int = 300) -> Any:
         env=dict(os.environ, HYDRA_FULL_ERROR="0"),
         timeout=timeout,
     )
+
+
+def statuses(out: dict[str, Any]) -> dict[str, str]:
+    """``{stage directory: status}`` from the runner's record (``runner.py``): ``ran``, ``skipped``,
+    ``reused``, ``failed``, ``passed``, ``dropped`` — what ran, read from the record, not the log."""
+    return {r["stage"]: r["status"] for r in out["record"]}
+
+
+def why(out: dict[str, Any], stage: str) -> str:
+    """Why the record says ``stage`` ran again (``recomputing: ...``), or ``""``."""
+    return next((str(r.get("why") or "") for r in out["record"] if r["stage"] == stage), "")
+
+
+def recorded(run_dir: Any) -> dict[str, Any]:
+    """The last invocation's record read back from ``<run_dir>/record.json`` as ``{"record": rows}``
+    (for :func:`statuses` / :func:`why`): what a run over a subprocess or a CLI did."""
+    import json
+    from pathlib import Path
+
+    return {"record": json.loads((Path(run_dir) / "record.json").read_text())["stages"]}

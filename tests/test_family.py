@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from autocompress_nemo.config.entry import compose
-from tests.cfg_utils import TINY_ROOFLINE
+from tests.cfg_utils import TINY_ROOFLINE, recorded, statuses, why
 
 FAMILY = [
     *TINY_ROOFLINE,
@@ -99,19 +99,21 @@ def test_adding_a_budget_runs_only_the_new_one(family, tmp_path, capsys) -> None
     src, _ = family
     run_dir = tmp_path / "run"
     shutil.copytree(src, run_dir)
-    _, log = _run(run_dir, capsys, f"search.budgets=[{','.join(BUDGETS)},0.6x]")
+    out, _ = _run(run_dir, capsys, f"search.budgets=[{','.join(BUDGETS)},0.6x]")
+    st = statuses(out)
     for b in BUDGETS:
         for stage in ("search_autocompress", "extract_autocompress", "distill_autocompress", "evaluate"):
-            assert f"[{stage}@{b}] skipped: artifact complete for the same inputs" in log
+            assert st[f"{stage}@{b}"] == "skipped", st
     for stage in ("search_autocompress", "extract_autocompress", "distill_autocompress", "evaluate"):
-        assert f"[{stage}@0.6x] running" in log
-    assert "[profile] skipped" in log and "[rank] skipped" in log
+        assert st[f"{stage}@0.6x"] == "ran", st
+    assert st["profile"] == "skipped" and st["rank"] == "skipped"
     new = _arch(run_dir, "0.6x")["family"]
     assert new["supernet_read"] and not new["first"]
     # changing only the router steps of the further budgets keeps the first budget (the supernet)
-    _, log = _run(run_dir, capsys, f"search.budgets=[{','.join(BUDGETS)}]", "search.family_steps=3")
-    assert f"[search_autocompress@{BUDGETS[0]}] skipped" in log
-    assert f"[search_autocompress@{BUDGETS[1]}] recomputing: config changed" in log
+    out, _ = _run(run_dir, capsys, f"search.budgets=[{','.join(BUDGETS)}]", "search.family_steps=3")
+    assert statuses(out)[f"search_autocompress@{BUDGETS[0]}"] == "skipped"
+    assert statuses(out)[f"search_autocompress@{BUDGETS[1]}"] == "ran"
+    assert "config changed" in why(out, f"search_autocompress@{BUDGETS[1]}")
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from autocompress_nemo.config.entry import compose
-from tests.cfg_utils import TINY_ROOFLINE
+from tests.cfg_utils import TINY_ROOFLINE, statuses, why
 
 TINY = [
     *TINY_ROOFLINE,
@@ -25,39 +25,46 @@ def _run(tmp_path, capsys, extra=()):
     return out, capsys.readouterr().out
 
 
+STAGES = ("profile", "rank", "search_autocompress", "extract_autocompress")
+
+
 def test_rerun_skips_and_corruption_recomputes(tmp_path, capsys) -> None:
-    _, first = _run(tmp_path, capsys)
-    for stage in ("profile", "rank", "search_autocompress", "extract_autocompress"):
-        assert f"[{stage}] running" in first
-    _, second = _run(tmp_path, capsys)
-    for stage in ("profile", "rank", "search_autocompress", "extract_autocompress"):
-        assert f"[{stage}] skipped: artifact complete for the same inputs" in second
-    assert "running" not in second
+    first, _ = _run(tmp_path, capsys)
+    assert statuses(first) == dict.fromkeys(STAGES, "ran")  # exactly these, in the record
+    assert [r["stage"] for r in first["record"]] == list(STAGES)
+    second, _ = _run(tmp_path, capsys)
+    assert statuses(second) == dict.fromkeys(STAGES, "skipped")
     # truncate the sorted parent: the checksum catches it, rank reruns, and so does what reads it
     from autocompress_nemo.utils.artifacts import sha256_file
 
     weights = tmp_path / "run" / "rank" / "model.safetensors"
     good = sha256_file(weights)
     weights.write_bytes(weights.read_bytes()[:100])
-    _, third = _run(tmp_path, capsys)
-    assert "[profile] skipped" in third
-    assert "[rank] recomputing:" in third and "checksum mismatch (truncated or corrupted)" in third
+    third, _ = _run(tmp_path, capsys)
+    assert statuses(third)["profile"] == "skipped"
+    assert statuses(third)["rank"] == "ran" and "checksum mismatch (truncated or corrupted)" in why(third, "rank")
     # rank is deterministic: the recomputed sorted parent is byte-identical, so what reads it is still valid
     assert sha256_file(weights) == good
-    assert "[search_autocompress] skipped" in third
+    assert statuses(third)["search_autocompress"] == "skipped"
     # a truncated search artifact is recomputed too, and what reads it (its content changed: new manifest) as well
     arch = tmp_path / "run" / "search_autocompress" / "arch.json"
     arch.write_text(arch.read_text()[:50])
-    _, fourth = _run(tmp_path, capsys)
-    assert "[search_autocompress] recomputing:" in fourth and "arch.json: checksum mismatch" in fourth
-    assert "[rank] skipped" in fourth
+    fourth, _ = _run(tmp_path, capsys)
+    assert statuses(fourth)["search_autocompress"] == "ran" and "arch.json: checksum mismatch" in why(
+        fourth, "search_autocompress"
+    )
+    assert statuses(fourth)["rank"] == "skipped"
+    # the record is also in the run directory
+    import json
+
+    assert json.loads((tmp_path / "run" / "record.json").read_text())["stages"] == fourth["record"]
 
 
 def test_changed_config_reruns_downstream_only(tmp_path, capsys) -> None:
     _run(tmp_path, capsys)
-    _, out = _run(tmp_path, capsys, ["search.slack=0.1"])
-    assert "[profile] skipped" in out and "[rank] skipped" in out
-    assert "[search_autocompress] recomputing: config changed" in out
+    out, _ = _run(tmp_path, capsys, ["search.slack=0.1"])
+    assert statuses(out)["profile"] == "skipped" and statuses(out)["rank"] == "skipped"
+    assert statuses(out)["search_autocompress"] == "ran" and "config changed" in why(out, "search_autocompress")
 
 
 def test_impossible_budget_stops_before_training(tmp_path, capsys) -> None:
@@ -96,9 +103,9 @@ def test_artifact_version_bump_recomputes_that_stage(tmp_path, capsys, monkeypat
 
     _run(tmp_path, capsys)
     monkeypatch.setitem(pipeline.ARTIFACT_VERSIONS, "rank", pipeline.ARTIFACT_VERSIONS["rank"] + 1)
-    _, again = _run(tmp_path, capsys)
-    assert "[profile] skipped" in again
-    assert "[rank] recomputing: config changed" in again
+    again, _ = _run(tmp_path, capsys)
+    assert statuses(again)["profile"] == "skipped"
+    assert statuses(again)["rank"] == "ran" and "config changed" in why(again, "rank")
 
 
 def _stage_on_rank(rank: int, world: int, run_dir: str) -> dict:

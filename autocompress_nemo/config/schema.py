@@ -255,6 +255,25 @@ class DistillConfig:
 
 
 @dataclass
+class ReconstructConfig:
+    """Blockwise local distillation between extract and distill (``stages/reconstruct.py``): every
+    student layer learns to map the parent's input activations at that layer to the parent layer's
+    output, all layers at once and independently (Puzzle's BLD)."""
+
+    fraction: float = 0.0
+    """Share of ``distill.tokens`` spent on local reconstruction (the rest is global distillation;
+    0 turns the stage off)."""
+    loss: str = "nmse"
+    """``nmse``: squared error of the layer's update normalized by the parent's update energy;
+    ``cosine``: 1 - cosine between the updates per token; ``both``: their sum."""
+    lr: float = 3.0e-4
+    """Peak learning rate of the local steps (AdamW, warm-up then cosine to ``min_lr``)."""
+    min_lr: float = 3.0e-5
+    warmup_steps: int = 5
+    checkpoint_every: int = 50
+
+
+@dataclass
 class DataConfig:
     name: str = "stdlib"
     kind: str = "stdlib"
@@ -399,6 +418,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)
+    reconstruct: ReconstructConfig = field(default_factory=ReconstructConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     run_dir: str = "runs/${target.name}__${model.name}"
     cache_dir: str = ""
@@ -412,9 +432,14 @@ class RunConfig:
     """Also run the Minitron++ baseline at the same budget and recovery tokens."""
     dry_run: bool = False
     """Plan only: no weights, no GPUs."""
-    stages: list[str] = field(
-        default_factory=lambda: ["profile", "validate", "rank", "search", "extract", "distill", "evaluate", "export"]
-    )
+    stages: list[str] = field(default_factory=lambda: _all_stages())
+    """The stages to run (with what they need); every stage by default (``autocompress --graph``)."""
+
+
+def _all_stages() -> list[str]:
+    from autocompress_nemo.stages.graph import selectable  # the graph is read from the stage modules
+
+    return list(selectable())
 
 
 def unknown_keys(node: Any, cls: Any, where: str) -> list[str]:

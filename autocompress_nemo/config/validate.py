@@ -15,7 +15,14 @@ from omegaconf import DictConfig, OmegaConf
 from autocompress_nemo.config import resolve
 from autocompress_nemo.config.family import check_budgets
 
-STAGES = ("profile", "validate", "rank", "search", "extract", "distill", "evaluate", "export")
+
+
+def _stages() -> tuple[str, ...]:
+    """The stages ``stages=[...]`` may name, read from their declarations (``stages/graph.py``)."""
+    from autocompress_nemo.stages.graph import selectable
+
+    return selectable()
+
 SOURCE_KINDS = ("gguf", "hf", "package", "pretrained", "random", "none")
 BLOCK_KINDS = ("attention", "mlp", "moe", "mamba")
 GPU_ONLY_ENGINES = ("trtllm",)
@@ -462,7 +469,7 @@ def _check_distill(c: dict, m: dict, t: dict) -> list[str]:
             p.append(f"distill.{key}={d.get(key)!r} must be a finite number >= 0")
     bs, seq = d.get("batch_size"), d.get("seq_len")
     step = bs * seq if isinstance(bs, int) and isinstance(seq, int) and bs > 0 and seq > 0 else 0
-    if "distill" in (c.get("stages") or STAGES) and _number(d.get("tokens")) and step > 0:
+    if "distill" in (c.get("stages") or _stages()) and _number(d.get("tokens")) and step > 0:
         if d["tokens"] < step:
             p.append(
                 f"distill.tokens={d['tokens']} is less than one step (distill.batch_size x distill.seq_len = "
@@ -518,7 +525,8 @@ def _check_cluster(c: dict, m: dict, t: dict) -> list[str]:
     if p or _missing(m.get("name")) or _check_model(c, m, t):
         return p  # the layout check needs a sound cluster and model
     from autocompress_nemo.arch.from_config import spec_from_model_config
-    from autocompress_nemo.plan.layout import DISTRIBUTED_STAGES, layout_for_stage, layout_problems
+    from autocompress_nemo.plan import layout as plan_layout
+    from autocompress_nemo.plan.layout import layout_for_stage, layout_problems
 
     spec = spec_from_model_config(m)
     s, d = c.get("search") or {}, c.get("distill") or {}
@@ -526,10 +534,11 @@ def _check_cluster(c: dict, m: dict, t: dict) -> list[str]:
         "rank": (s.get("seq_len"), s.get("batch_size")),
         "search": (s.get("seq_len"), s.get("batch_size")),
         "distill": (d.get("seq_len"), d.get("batch_size")),
+        "reconstruct": (d.get("seq_len"), d.get("batch_size")),
     }
     found: dict[str, list[str]] = {}
-    for stage in DISTRIBUTED_STAGES:
-        if stage not in (c.get("stages") or STAGES):
+    for stage in plan_layout.DISTRIBUTED_STAGES:
+        if stage not in (c.get("stages") or _stages()):
             continue
         try:
             lay = layout_for_stage(cl, stage)
@@ -552,12 +561,9 @@ def _check_cluster(c: dict, m: dict, t: dict) -> list[str]:
 
 def _check_run(c: dict, m: dict, t: dict) -> list[str]:
     p = []
-    unknown = [s for s in c.get("stages") or [] if s not in STAGES]
+    unknown = [s for s in c.get("stages") or [] if s not in _stages()]
     if unknown:
-        p.append(f"stages: unknown stage(s) {unknown}; stages are {', '.join(STAGES)}")
-    order = [s for s in c.get("stages") or [] if s in STAGES]
-    if order != sorted(order, key=STAGES.index):
-        p.append(f"stages={order} are out of order; the pipeline order is {', '.join(STAGES)}")
+        p.append(f"stages: unknown stage(s) {unknown}; stages are {', '.join(_stages())} (autocompress --graph)")
     if not c.get("run_dir"):
         p.append("run_dir is empty; give a directory for the run's artifacts")
     elif not c.get("dry_run"):

@@ -45,6 +45,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +195,22 @@ def _local_rows(x_BT: torch.Tensor, par: Parallel, batch_size: int) -> torch.Ten
     return x_BT[par.dp_rank * n : (par.dp_rank + 1) * n]
 
 
+@dataclass
+class Objective:
+    """What one training run optimizes (the trainer's plug-in; torchtitan / Megatron-Bridge style):
+    ``loss(x_BT) -> (loss, metrics)`` on one micro-batch of this rank's rows; ``metrics`` are floats
+    averaged over micro-batches and data-parallel ranks into the step's history row. ``kind`` names
+    it in the checkpoint fingerprint and the record (``kd``, ``lm``, ``local``, ...); ``fingerprint``
+    adds the settings a resumed run must share. ``setup`` / ``teardown`` run around the loop
+    (hooks)."""
+
+    kind: str
+    loss: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    setup: Callable[[], None] | None = None
+    teardown: Callable[[], None] | None = None
+
+
 def distill(
     student: torch.nn.Module,
     teacher: torch.nn.Module | None,
@@ -214,6 +231,90 @@ def distill(
 ) -> dict[str, Any]:
     """Recover ``student`` from ``teacher`` for ``cfg.tokens`` tokens; resumable from ``out_dir``.
     ``teacher=None``: train ``student`` as a language model (next-token cross entropy) instead.
+    The loop is :func:`train`'s; this builds the objective (KD on logits, optionally plus the
+    hidden-state loss; or LM cross entropy) and passes everything else through."""
+    temperature = float(opt_field(cfg, "temperature", 1.0))
+    w_hidden = float(opt_field(cfg, "intermediate_weight", 0.0))
+    lm = teacher is None
+    if lm and w_hidden > 0:
+        raise ValueError("language modelling (no teacher) has no hidden-state loss; set intermediate_weight=0")
+    if lm:
+        objective = Objective("lm", lambda x: _metric(lm_loss(forward(student, x), x), "ce"))
+        objective.fingerprint = {"loss": "lm", **{k: opt_field(cfg, k, None) for k in ("weight_decay", "grad_clip")}}
+    else:
+        assert teacher is not None
+        teacher_ctx = teacher_precision(str(opt_field(cfg, "teacher_precision", "fp32")), teacher)
+        teacher.eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+        caps: list[HiddenCapture] = []
+
+        def setup() -> None:
+            if w_hidden > 0:
+                s_layers, t_layers = find_layers(student), find_layers(teacher)
+                caps[:] = [
+                    HiddenCapture(s_layers),
+                    HiddenCapture([t_layers[j] for j in matched_layers(len(s_layers), len(t_layers))]),
+                ]
+
+        def teardown() -> None:
+            for c in caps:
+                c.remove()
+
+        def kd_step(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+            with torch.no_grad(), teacher_ctx():
+                t_logits_BTV = forward(teacher, x)
+            kd = kd_loss(forward(student, x), t_logits_BTV, temperature)
+            loss, hid = kd, 0.0
+            if caps:
+                h = hidden_state_loss(caps[0].take(), caps[1].take())
+                loss, hid = loss + w_hidden * h, float(h.detach())
+            return loss, {"kd": float(kd.detach()), "hidden": hid}
+
+        objective = Objective("kd", kd_step, {}, setup, teardown)
+    result = train(
+        student,
+        objective,
+        batch_at,
+        cfg,
+        out_dir,
+        seed,
+        optimizer=optimizer,
+        micro_batch_size=micro_batch_size,
+        log=log,
+        name=name,
+        init_from=init_from,
+        evaluate=evaluate,
+        eval_every=eval_every,
+        should_stop=should_stop,
+    )
+    result.update(temperature=temperature, intermediate_weight=w_hidden, loss_kind="lm" if lm else "kd")
+    return result
+
+
+def _metric(loss: torch.Tensor, key: str) -> tuple[torch.Tensor, dict[str, float]]:
+    return loss, {key: float(loss.detach())}
+
+
+def train(
+    student: torch.nn.Module,
+    objective: Objective,
+    batch_at: Callable[[int], torch.Tensor],
+    cfg: Any,
+    out_dir: str | Path,
+    seed: int,
+    *,
+    optimizer: str = "auto",
+    micro_batch_size: int | None = None,
+    log: Callable[[str], None] | None = None,
+    name: str = "train",
+    init_from: str | Path | None = None,
+    evaluate: Callable[[torch.nn.Module], dict[str, float]] | None = None,
+    eval_every: int = 0,
+    should_stop: Callable[[list[dict[str, Any]]], str | None] | None = None,
+) -> dict[str, Any]:
+    """The one training loop: ``student``'s trainable parameters (``requires_grad``) optimized on
+    ``objective.loss`` for ``cfg.tokens`` tokens; resumable from ``out_dir``.
 
     ``cfg``: ``config.schema.DistillConfig`` (or any object with its fields; optional extras
     ``weight_decay``, ``grad_clip``, ``adam_beta1/2``, ``adam_eps``). ``optimizer``: ``auto``
@@ -228,9 +329,9 @@ def distill(
 
     Writes ``<out_dir>/checkpoints``, ``<out_dir>/tensorboard`` and (rank 0)
     ``<out_dir>/distill_summary.json``. Returns: steps, tokens, tokens_this_run,
-    resumed_from_step, first_loss, final_loss, history (per step: step, loss, kd, hidden, lr,
-    grad_norm, tokens so far, step_s wall seconds), tokens_per_s, wall_s, optimizer, checkpoint, tensorboard.
-    The student ends in eval mode with the final weights.
+    resumed_from_step, first_loss, final_loss, history (per step: step, loss, the objective's
+    metrics, lr, grad_norm, tokens so far, step_s wall seconds), tokens_per_s, wall_s, optimizer,
+    checkpoint, tensorboard. The student ends in eval mode with the final weights.
     """
     say = log or _log.info
     out = Path(out_dir)
@@ -243,20 +344,8 @@ def distill(
     if par.is_rank0:
         out.mkdir(parents=True, exist_ok=True)
     steps = num_steps(cfg)
-    temperature = float(opt_field(cfg, "temperature", 1.0))
-    w_hidden = float(opt_field(cfg, "intermediate_weight", 0.0))
-    lm = teacher is None
-    if lm and w_hidden > 0:
-        raise ValueError("language modelling (no teacher) has no hidden-state loss; set intermediate_weight=0")
-    teacher_ctx = (
-        contextlib.nullcontext if lm else teacher_precision(str(opt_field(cfg, "teacher_precision", "fp32")), teacher)
-    )
-
+    lm = objective.kind == "lm"
     torch.manual_seed(seed)
-    if teacher is not None:
-        teacher.eval()
-        for p in teacher.parameters():
-            p.requires_grad_(False)
     student.train()
     if init_from:
         # before the optimizer: Megatron's keeps its own (fp32 main) copies of the parameters
@@ -265,10 +354,13 @@ def distill(
         it = load_checkpoint(student, init_from)
         say(f"{name}: student weights from the Megatron checkpoint {init_from} (iteration {it})")
     opt = build_optimizer(optimizer, student, cfg, steps, par)
+    fp = _fingerprint(cfg, steps, seed, opt.name, lm)
+    if objective.kind not in ("kd", "lm"):  # (kd / lm: the keys of checkpoints written before the objective)
+        fp.update(loss=objective.kind, **objective.fingerprint)
     store = CheckpointStore(
         out / "checkpoints",
         par,
-        _fingerprint(cfg, steps, seed, opt.name, lm),
+        fp,
         keep=int(opt_field(cfg, "keep_checkpoints", 2)),
         dist=DistState(student, opt, par) if dist_supports(student, opt) else None,
     )
@@ -286,13 +378,9 @@ def distill(
     stopped = next((r["stopped"] for r in history if r.get("stopped")), None)
     if stopped:
         say(f"{name}: stopped at step {start} in an earlier run ({stopped})")
-    s_cap = t_cap = None
-    if w_hidden > 0 and teacher is not None:
-        s_layers, t_layers = find_layers(student), find_layers(teacher)
-        s_cap = HiddenCapture(s_layers)
-        t_cap = HiddenCapture([t_layers[j] for j in matched_layers(len(s_layers), len(t_layers))])
-
     mon = Monitor(out, cfg, steps, start, enabled=par.is_rank0, name=name)
+    if objective.setup is not None:
+        objective.setup()
     t0 = time.perf_counter()
     tokens_run = 0
     last_ckpt: Path | None = None
@@ -304,27 +392,18 @@ def distill(
             rows_BT = _local_rows(x_BT, par, int(cfg.batch_size))
             mb = micro_batch_size or rows_BT.shape[0]
             opt.zero_grad()
-            kd_sum = hid_sum = 0.0
+            sums: dict[str, float] = {}
+            loss_sum = 0.0
             for i in range(0, rows_BT.shape[0], mb):
                 x = rows_BT[i : i + mb]
                 frac = x.shape[0] / rows_BT.shape[0]
-                if teacher is None:  # language modelling: next-token cross entropy ("kd" holds it)
-                    kd = lm_loss(forward(student, x), x)
-                else:
-                    with torch.no_grad(), teacher_ctx():
-                        t_logits_BTV = forward(teacher, x)
-                    s_logits_BTV = forward(student, x)
-                    kd = kd_loss(s_logits_BTV, t_logits_BTV, temperature)
-                loss = kd
-                if s_cap is not None and t_cap is not None:
-                    hid = hidden_state_loss(s_cap.take(), t_cap.take())
-                    loss = loss + w_hidden * hid
-                    hid_sum += float(hid.detach()) * frac
+                loss, metrics = objective.loss(x)
                 (loss * frac).backward()
-                kd_sum += float(kd.detach()) * frac
+                loss_sum += float(loss.detach()) * frac
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * frac
             grad_norm = opt.step(step)
-            kd_mean, hid_mean = par.mean_over_dp(kd_sum), par.mean_over_dp(hid_sum)
-            loss_mean = kd_mean + w_hidden * hid_mean
+            loss_mean = par.mean_over_dp(loss_sum)
             if not math.isfinite(loss_mean):
                 raise FloatingPointError(f"{name} step {step}: loss is {loss_mean}; lower distill.lr")
             n_tok = int(x_BT.numel())
@@ -332,15 +411,12 @@ def distill(
             row = {
                 "step": step,
                 "loss": loss_mean,
-                "kd": kd_mean,
-                "hidden": hid_mean,
+                **{k: par.mean_over_dp(v) for k, v in sums.items()},
                 "lr": opt.lr,
                 "grad_norm": grad_norm,
                 "tokens": (history[-1]["tokens"] if history else 0) + n_tok,
                 "step_s": time.perf_counter() - t_step,
             }
-            if lm:
-                row["ce"] = row.pop("kd")
             done = step + 1
             if evaluate is not None and (done == steps or (eval_every > 0 and done % eval_every == 0)):
                 row["eval"] = {**evaluate(student), "tokens": row["tokens"]}
@@ -370,9 +446,8 @@ def distill(
                 break
     finally:
         mon.close()
-        if s_cap is not None and t_cap is not None:
-            s_cap.remove()
-            t_cap.remove()
+        if objective.teardown is not None:
+            objective.teardown()
     wall = time.perf_counter() - t0
     student.eval()
     if last_ckpt is None:
@@ -387,13 +462,11 @@ def distill(
         "final_loss": history[-1]["loss"] if history else None,
         "steps_done": len(history),
         "stopped": stopped,
-        "loss_kind": "lm" if lm else "kd",
+        "loss_kind": objective.kind,
         "history": history,
         "tokens_per_s": tokens_run / wall if wall > 0 and tokens_run else 0.0,
         "wall_s": wall,
         "optimizer": opt.name,
-        "temperature": temperature,
-        "intermediate_weight": w_hidden,
         "world": par.layout,
         "checkpoint": str(last_ckpt) if last_ckpt else None,
         "tensorboard": str(out / "tensorboard"),

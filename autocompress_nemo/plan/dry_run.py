@@ -175,7 +175,7 @@ def build_plan(cfg: Any) -> dict[str, Any]:
     teacher_student = student if student is not None else parent
     for stage in DISTRIBUTED_STAGES:
         layout = layout_for_stage(cfg.cluster, stage)
-        if stage == "distill":
+        if stage in ("distill", "reconstruct"):  # both train the student next to the frozen parent
             model, teacher, seq, batch = teacher_student, parent, int(cfg.distill.seq_len), int(cfg.distill.batch_size)
             trainable, backward = True, True
         else:  # rank runs the calibration set, search its training batches

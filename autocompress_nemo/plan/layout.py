@@ -32,9 +32,19 @@ from typing import Any
 from autocompress_nemo.arch.counts import block_params
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MambaBlock, MlpBlock, MoeBlock
 
-STAGES = ("profile", "validate", "rank", "search", "extract", "distill", "evaluate", "export")
-DISTRIBUTED_STAGES = ("rank", "search", "distill")
-"""Stages that run Megatron over all GPUs of the job; the others run one process."""
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``STAGES`` (every stage a user may name) and ``DISTRIBUTED_STAGES`` (those that run Megatron
+    over all GPUs of the job; the others run one process), read from the stages' declarations."""
+    from autocompress_nemo.stages import graph
+
+    if name == "STAGES":
+        return graph.selectable()
+    if name == "DISTRIBUTED_STAGES":
+        return tuple(s.name for s in graph.stages() if s.distributed)
+    raise AttributeError(name)
+
 _LAYOUT_KEYS = ("nodes", "gpus_per_node", "tp", "pp", "cp", "ep", "etp", "sequence_parallel")
 
 
@@ -98,9 +108,10 @@ def layout_for_stage(cluster: Any, stage: str) -> ParallelLayout:
     Non-distributed stages get one process. On a ``local`` cluster without GPUs the number of
     processes is ``processes_per_node`` (gloo).
     """
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
-    if stage not in DISTRIBUTED_STAGES:
+    stages, distributed = __getattr__("STAGES"), __getattr__("DISTRIBUTED_STAGES")
+    if stage not in stages:
+        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(stages)}")
+    if stage not in distributed:
         return ParallelLayout(stage=stage)
     base = {k: _get(cluster, k) for k in _LAYOUT_KEYS}
     over = _get(_get(cluster, "stage_layouts", {}) or {}, stage, {}) or {}

@@ -1,6 +1,8 @@
 """``python -m autocompress_nemo.search``: the whole pipeline, each stage one call.
 
-    profile -> validate -> rank -> search -> extract -> distill -> export -> evaluate -> report
+    profile -> validate -> rank -> search -> extract -> reconstruct -> distill -> export -> evaluate -> report
+
+(`autocompress --graph` prints the graph the runner walks, read from the stages' declarations.)
 
 With no arguments it runs the embedded default (SmolLM2-135M-Instruct, the ``cpu_chat``
 llama.cpp target, the standard-library corpus). ``baseline=true`` adds the Minitron++
@@ -25,16 +27,15 @@ from omegaconf import DictConfig, open_dict
 from autocompress_nemo.config.entry import hydra_entry
 from autocompress_nemo.context import Context
 from autocompress_nemo.pipeline import Run
+from autocompress_nemo.runner import walk
 from autocompress_nemo.search.autocompress import ParentMeetsBudget
-from autocompress_nemo.search.family import Member, members
-from autocompress_nemo.stages import distill, evaluate, export, extract, profile, rank, report, search
-from autocompress_nemo.stages.layout import DistillDir, ExtractDir, ProfileDir, RankDir, SearchDir, ValidateDir
 
 TARGET_KEYS = ("target", "model")
-LATER = {"rank", "search", "extract", "distill", "evaluate", "export"}
 
 
 def run_pipeline(cfg: DictConfig) -> dict[str, Any]:
+    """Every stage ``cfg.stages`` asks for (and what they need), walked from the stages'
+    declarations (``runner.py``); returns the run's outputs and ``record`` (one row per stage)."""
     if cfg.dry_run:
         from autocompress_nemo.plan.dry_run import run_dry_run
 
@@ -43,134 +44,7 @@ def run_pipeline(cfg: DictConfig) -> dict[str, Any]:
     run, ctx = Run(cfg), Context(cfg)
     ctx.say = run.say
     with run.session():  # one run per directory (a lock); leftovers of killed stages removed
-        return _run_stages(cfg, run, ctx)
-
-
-def _run_stages(cfg: DictConfig, run: Run, ctx: Context) -> dict[str, Any]:
-    wanted = set(cfg.stages)
-    out: dict[str, Any] = {"run_dir": str(run.dir)}
-
-    prof = ProfileDir(run.run_stage(profile.STAGE, ctx, profile.run))
-    if "validate" in wanted:
-        vd: Path | None = run.run_stage(profile.VALIDATE, ctx, lambda c, d: profile.validate(c, d, prof), [prof.dir])
-    else:  # not asked for: a complete one from an earlier invocation still counts (the search reads it)
-        vd = run.reuse(profile.VALIDATE, [prof.dir])
-    validation = ValidateDir(vd) if vd is not None else None
-    if not wanted & LATER:
-        return out
-    ranked = RankDir(run.run_stage(rank.STAGE, ctx, rank.run))
-
-    methods = [str(cfg.search.method)] + (
-        ["minitron_pp"] if cfg.baseline and cfg.search.method != "minitron_pp" else []
-    )
-    family = members(cfg)
-    if not family:
-        ev = _students(cfg, run, ctx, methods, ranked, prof, validation)
-        if ev is not None:
-            out["evaluation"] = str(ev / "evaluation.json")
-        if "report" in wanted or "evaluate" in wanted:
-            out["report"] = str(report.run(ctx.for_stage(report.STAGE.reads), run, methods, validation))
-        return out
-    # a family (search.budgets): one student per budget from this profile, rank and one supernet
-    first: SearchDir | None = None
-    done: list[Member] = []
-    out["evaluations"] = {}
-    for member in family:
-        run_b, ctx_b = run.for_budget(member.cfg, member.suffix), Context(member.cfg, run.say)
-        ctx_b._shared = ctx._shared  # the parent, the corpus and the process groups are the family's
-        run.say(f"[family] budget {member.value} ({'first: trains the supernet' if member.first else 'extra'})")
-        try:
-            searched: dict[str, SearchDir] = {}
-            ev = _students(member.cfg, run_b, ctx_b, methods, ranked, prof, validation, first, searched)
-        except ParentMeetsBudget as e:
-            if member.first:
-                raise
-            run.say(f"[family] budget {member.value}: nothing to compress ({e})")
-            continue
-        if member.first:
-            first = searched.get("autocompress")
-        done.append(member)
-        if ev is not None:
-            out["evaluations"][str(member.value)] = str(ev / "evaluation.json")
-    if out["evaluations"]:
-        out["evaluation"] = next(iter(out["evaluations"].values()))
-    if ("report" in wanted or "evaluate" in wanted) and done:
-        out["report"] = str(report.run_family(ctx, run, methods, validation, done))
-    return out
-
-
-def _students(
-    cfg: DictConfig,
-    run: Run,
-    ctx: Context,
-    methods: list[str],
-    ranked: RankDir,
-    prof: ProfileDir,
-    validation: ValidateDir | None,
-    supernet: SearchDir | None = None,
-    searched: dict[str, SearchDir] | None = None,
-) -> Path | None:
-    """search -> extract -> distill -> export of every method, then evaluate; the evaluate artifact
-    (``None`` when not asked for). ``supernet``: the first budget's search of a family, whose
-    supernet an AutoCompress search of a further budget trains its router on; ``searched`` receives
-    every method's search artifact."""
-    wanted = set(cfg.stages)
-    students: dict[str, Path] = {}
-    extracted: dict[str, Path] = {}
-    for m in methods:
-        if not wanted & (LATER - {"rank"}):
-            break
-        inputs = [ranked.dir, prof.dir] + ([validation.dir] if validation else [])
-        net = supernet if m == "autocompress" else None
-        if net is not None:  # the first budget's supernet: its checksums are part of this search's key
-            inputs.append(net.dir)
-        try:
-            found = SearchDir(
-                run.run_stage(
-                    search.STAGE,
-                    ctx,
-                    lambda c, d, m=m, i=inputs, n=net: search.run(
-                        c, d, m, ranked, prof, validation, run.checkpoint(search.STAGE, i, m), n
-                    ),
-                    inputs,
-                    m,
-                )
-            )
-        except ValueError as e:
-            if m == str(cfg.search.method):
-                raise
-            run.say(f"[search_{m}{run.suffix}] baseline not run: {e}")  # e.g. no uniform architecture meets the budget
-            continue
-        if searched is not None:
-            searched[m] = found
-        student = run.run_stage(
-            extract.STAGE, ctx, lambda c, d, f=found: extract.run(c, d, ranked, f), [ranked.dir, found.dir], m
-        )
-        extracted[m] = student
-        if "distill" in wanted:
-            student = run.run_stage(
-                distill.STAGE,
-                ctx,
-                lambda c, d, s=student, m=m: distill.run(
-                    c, d, ranked, ExtractDir(s), run.checkpoint(distill.STAGE, [ranked.dir, s], m)
-                ),
-                [ranked.dir, student],
-                m,
-            )
-        students[m] = student
-    exports: dict[str, Path] = {}
-    if "export" in wanted:  # before evaluate: the accuracy of the exported file is measured there
-        for m, s in students.items():
-            exports[m] = run.run_stage(export.STAGE, ctx, lambda c, d, s=s: export.run(c, d, DistillDir(s)), [s], m)
-    if "evaluate" in wanted and students:
-        return run.run_stage(
-            evaluate.STAGE,
-            ctx,
-            lambda c, d: evaluate.run(c, d, prof, validation, students, extracted, exports),
-            [ranked.dir, prof.dir, *students.values(), *extracted.values(), *exports.values()]
-            + ([validation.dir] if validation else []),
-        )
-    return None
+        return walk(cfg, run, ctx)
 
 
 def with_profile_settings(cfg: DictConfig) -> DictConfig:
@@ -253,7 +127,36 @@ def failing_students(out: dict[str, Any]) -> list[str]:
     return failed
 
 
-main = hydra_entry(_task, lock_run_dir=True)
+def print_record(out: dict[str, Any]) -> None:
+    """The runner's record, one line per stage: what ran, what was reused, in how long."""
+    rows = out.get("record") or []
+    if not rows:
+        return
+    print("autocompress: stages", flush=True)
+    for r in rows:
+        secs = f"{r['seconds']:.1f} s" if isinstance(r.get("seconds"), float) else ""
+        why = f"  ({r['why']})" if r.get("why") and r["status"] in ("passed", "dropped", "failed") else ""
+        print(f"  {r['stage']:<28} {r['status']:<8} {secs:>10}{why}", flush=True)
+
+
+def _main_task(cfg: DictConfig) -> dict[str, Any]:
+    out = _task(cfg)
+    print_record(out)
+    return out
+
+
+_hydra_main = hydra_entry(_main_task, lock_run_dir=True)
+
+
+def main() -> None:
+    """The pipeline; ``--graph [text|mermaid]`` prints the stage graph instead."""
+    if "--graph" in sys.argv[1:]:
+        from autocompress_nemo.stages.graph import render
+
+        rest = sys.argv[sys.argv.index("--graph") + 1 :]
+        print(render(rest[0] if rest and not rest[0].startswith("-") else "text"))
+        return
+    _hydra_main()
 
 if __name__ == "__main__":
     main()

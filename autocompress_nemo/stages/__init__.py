@@ -11,7 +11,8 @@ an artifact made with another value. Reads through the context count: the parent
 ``cluster.tp/pp/ep/backend/sequence_parallel`` and ``seed``) and token batches (``ctx.batch_at``,
 ``ctx.heldout_batches``: ``data``).
 
-    profile -> validate -> rank -> search_<m> -> extract_<m> -> distill_<m> -> export_<m> -> evaluate -> report
+    profile -> validate -> rank -> search_<m> -> extract_<m> -> reconstruct_<m> -> distill_<m> -> export_<m>
+        -> evaluate -> report          (autocompress --graph)
 """
 
 from __future__ import annotations
@@ -22,17 +23,7 @@ __all__ = ["ALWAYS", "DATA", "LAYOUT", "PARENT", "Stage", "all_stages", "reads"]
 
 
 def all_stages() -> list[Stage]:
-    """Every stage's declaration, in pipeline order."""
-    from autocompress_nemo.stages import distill, evaluate, export, extract, profile, rank, report, search
+    """Every stage's declaration, in pipeline order (``stages/graph.py``)."""
+    from autocompress_nemo.stages.graph import stages
 
-    return [
-        profile.STAGE,
-        profile.VALIDATE,
-        rank.STAGE,
-        search.STAGE,
-        extract.STAGE,
-        distill.STAGE,
-        export.STAGE,
-        evaluate.STAGE,
-        report.STAGE,
-    ]
+    return list(stages())

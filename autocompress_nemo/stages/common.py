@@ -14,7 +14,30 @@ from autocompress_nemo.config.resolve import search_capabilities  # noqa: F401  
 from autocompress_nemo.context import Context, read_json
 from autocompress_nemo.stages.layout import ValidateDir
 
-METHODS = {"autocompress": "AutoCompress", "minitron_pp": "Minitron++"}
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Method:
+    """A compression method, registered once (:data:`REGISTRY`): its label in reports and whether a
+    further budget of a family trains its search on the first budget's supernet (``runner.py``)."""
+
+    name: str
+    label: str
+    shares_supernet: bool = False
+
+
+REGISTRY: dict[str, Method] = {
+    m.name: m
+    for m in (Method("autocompress", "AutoCompress", shares_supernet=True), Method("minitron_pp", "Minitron++"))
+}
+METHODS = {name: m.label for name, m in REGISTRY.items()}
+
+
+def method_object(name: str) -> Method:
+    if name not in REGISTRY:
+        raise ValueError(f"search.method={name!r}: known methods are {', '.join(REGISTRY)}")
+    return REGISTRY[name]
 
 BUDGET_READS: tuple[str, ...] = ("target.budget", "target.workload.batch")
 """What ``budgets`` reads (besides the parent's measured row in the validate artifact)."""

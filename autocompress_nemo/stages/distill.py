@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from autocompress_nemo.context import Context, load_weights, save_weights
 from autocompress_nemo.stages.declare import DATA, LAYOUT, PARENT, Stage, reads
 from autocompress_nemo.stages.layout import DistillDir, ExtractDir, RankDir
 from autocompress_nemo.utils.artifacts import write_json_atomic
 
-STAGE = Stage("distill", reads=reads(PARENT, LAYOUT, DATA, "distill"), needs=("rank", "extract"), per_method=True)
 
 
 def train_batches(ctx: Context, d: Any) -> Callable[[int], torch.Tensor]:
@@ -29,7 +29,10 @@ def train_batches(ctx: Context, d: Any) -> Callable[[int], torch.Tensor]:
 def run(ctx: Context, out: Path, rank: RankDir, student: ExtractDir, ckpt_dir: Path) -> None:
     from autocompress_nemo.distill.recover import distill as run_distill
 
-    d = ctx.cfg.distill
+    from autocompress_nemo.stages.reconstruct import split_tokens
+
+    local, global_tokens = split_tokens(ctx.cfg)
+    d = OmegaConf.merge(ctx.cfg.distill, {"tokens": global_tokens})  # the rest of the recovery budget
     pspec, psd = load_weights(rank.dir)
     cspec, csd = load_weights(student.dir)
     teacher = ctx.model(pspec, psd)
@@ -61,4 +64,17 @@ def run(ctx: Context, out: Path, rank: RankDir, student: ExtractDir, ckpt_dir: P
 
     ckpt = save_checkpoint(model, cspec, DistillDir(out).megatron, iteration=int(result["steps"]))
     ctx.say(f"[distill] Megatron-LM checkpoint (torch_dist) -> {ckpt}")
+    result.update(local_tokens=local, recovery_tokens=local + int(result["tokens"]))
     write_json_atomic(DistillDir(out).record, result)
+
+
+STAGE = Stage(
+    "distill",
+    reads=reads(PARENT, LAYOUT, DATA, "distill", "reconstruct.fraction"),
+    needs=("rank", "reconstruct|extract"),
+    per_method=True,
+    distributed=True,
+    resumable=True,
+    script="the recovered student in <run_dir>/distill_<method>",
+    entry=lambda ctx, out, inp: run(ctx, out, RankDir(inp["rank"]), ExtractDir(inp["reconstruct|extract"]), inp.checkpoint),
+)

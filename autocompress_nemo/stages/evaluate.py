@@ -13,15 +13,10 @@ from autocompress_nemo.arch.counts import param_count
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.context import Context, load_weights
 from autocompress_nemo.stages.common import budgets, budgets_measured, load_table, measured_metrics, numbers
-from autocompress_nemo.stages.declare import DATA, LAYOUT, Stage, reads
+from autocompress_nemo.stages.declare import DATA, LAYOUT, STUDENT, Inputs, Stage, reads
 from autocompress_nemo.stages.layout import EvaluateDir, ExportDir, ProfileDir, ValidateDir
 from autocompress_nemo.utils.artifacts import write_json_atomic
 
-STAGE = Stage(
-    "evaluate",
-    reads=reads(LAYOUT, DATA, "target", "evaluate"),
-    needs=("profile", "validate", "extract", "distill", "export"),
-)
 
 
 def heldout_perplexity(
@@ -318,3 +313,32 @@ def _llama_cpp_version() -> str:
     from importlib.metadata import version
 
     return version("llama-cpp-python")
+
+
+def _entry(ctx: Context, out: Path, inp: Inputs) -> None:
+    validation = inp.get("validate")
+    students: dict[str, Path] = {}
+    for m in inp.methods:  # each method's latest student (distilled, else reconstructed, else extracted)
+        found = [inp.by_method.get(n, {}).get(m) for n in STUDENT.split("|")]
+        if (p := next((f for f in found if f is not None), None)) is not None:
+            students[m] = p
+    run(
+        ctx,
+        out,
+        ProfileDir(inp["profile"]),
+        ValidateDir(validation) if validation else None,
+        students,
+        inp.by_method.get("extract", {}),
+        inp.by_method.get("export", {}),
+    )
+
+
+STAGE = Stage(
+    "evaluate",
+    reads=reads(LAYOUT, DATA, "target", "evaluate"),
+    needs=("profile", "rank", STUDENT, "extract"),
+    optional=("validate", "export"),
+    per_budget=True,
+    script="the students scored in <run_dir>/evaluate and report.md / report.json",
+    entry=_entry,
+)

@@ -13,17 +13,10 @@ import torch
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.context import Context, load_weights
 from autocompress_nemo.export.gguf_hybrid import gguf_problems, is_hybrid
-from autocompress_nemo.stages.declare import DATA, LAYOUT, Stage, reads
+from autocompress_nemo.stages.declare import DATA, LAYOUT, STUDENT, Stage, reads
 from autocompress_nemo.stages.layout import DistillDir, ExportDir
 from autocompress_nemo.utils.artifacts import write_json_atomic
 
-STAGE = Stage(
-    "export",
-    # the whole engine and hardware: vLLM / TensorRT-LLM load the export in their own worker for its parity
-    reads=reads(LAYOUT, DATA, "target.engine", "target.hardware", "evaluate.parity_tokens", "evaluate.keep_f16_gguf"),
-    needs=("distill",),
-    per_method=True,
-)
 
 
 def _parity_tokens(ctx: Context) -> list[int]:
@@ -169,3 +162,14 @@ def run(ctx: Context, out: Path, student: DistillDir) -> None:
         export_engine_parity(ctx, spec, sd, art)
     model = ctx.model(spec, sd)
     torch.save({"arch_spec": spec.to_dict(), "megatron_state_dict": model.state_dict()}, art.megatron)
+
+
+STAGE = Stage(
+    "export",
+    # the whole engine and hardware: vLLM / TensorRT-LLM load the export in their own worker for its parity
+    reads=reads(LAYOUT, DATA, "target.engine", "target.hardware", "evaluate.parity_tokens", "evaluate.keep_f16_gguf"),
+    needs=(STUDENT,),
+    per_method=True,
+    script="the recovered student in the target engine's format, with its parity check, in <run_dir>/export_<method>",
+    entry=lambda ctx, out, inp: run(ctx, out, DistillDir(inp[STUDENT])),
+)

@@ -17,7 +17,6 @@ from autocompress_nemo.stages.declare import LAYOUT, PARENT, Stage, reads
 from autocompress_nemo.stages.layout import ExtractDir, RankDir, SearchDir
 from autocompress_nemo.utils.artifacts import write_json_atomic
 
-STAGE = Stage("extract", reads=reads(PARENT, LAYOUT, JUDGE_READS, "extract"), needs=("rank", "search"), per_method=True)
 
 
 def run(ctx: Context, out: Path, rank: RankDir, search: SearchDir) -> None:
@@ -117,3 +116,13 @@ def refit(
         + ("" if used else ": no better, the student keeps the plain slice")
     )
     return new_sd if used else child_sd
+
+
+STAGE = Stage(
+    "extract",
+    reads=reads(PARENT, LAYOUT, JUDGE_READS, "extract"),
+    needs=("rank", "search"),
+    per_method=True,
+    script="the searched architecture sliced out of the parent in <run_dir>/extract_<method>",
+    entry=lambda ctx, out, inp: run(ctx, out, RankDir(inp["rank"]), SearchDir(inp["search"])),
+)

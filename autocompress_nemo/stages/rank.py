@@ -12,18 +12,6 @@ from autocompress_nemo.stages.declare import DATA, LAYOUT, PARENT, Stage, reads
 from autocompress_nemo.stages.layout import RankDir
 from autocompress_nemo.utils.artifacts import write_json_atomic
 
-STAGE = Stage(
-    "rank",
-    reads=reads(
-        PARENT,
-        LAYOUT,
-        DATA,
-        "search.calib_sequences",
-        "search.seq_len",
-        "search.batch_size",
-        "search.search_hidden",
-    ),
-)
 
 
 def run(ctx: Context, out: Path) -> None:
@@ -44,3 +32,20 @@ def run(ctx: Context, out: Path) -> None:
         f"[rank] {imp.tokens} calibration tokens; scored and reordered {', '.join(scored)}"
         + (", hidden channels" if perms.hidden is not None else " (hidden channels scored, kept in order)")
     )
+
+
+STAGE = Stage(
+    "rank",
+    reads=reads(
+        PARENT,
+        LAYOUT,
+        DATA,
+        "search.calib_sequences",
+        "search.seq_len",
+        "search.batch_size",
+        "search.search_hidden",
+    ),
+    distributed=True,
+    script="the importance-sorted parent in <run_dir>/rank",
+    entry=lambda ctx, out, inp: run(ctx, out),
+)

@@ -7,11 +7,9 @@ from typing import Any
 
 from autocompress_nemo.context import Context, read_json
 from autocompress_nemo.stages.common import METHODS
-from autocompress_nemo.stages.declare import Stage
+from autocompress_nemo.stages.declare import Inputs, Stage
 from autocompress_nemo.stages.layout import DistillDir, EvaluateDir, ProfileDir, SearchDir, ValidateDir
 
-STAGE = Stage("report", reads=("target",), needs=("profile", "validate", "search", "distill", "evaluate"))
-"""Not cached: it is rewritten at the end of every run from the artifacts."""
 
 
 def run(ctx: Context, run_: Any, methods: list[str], validation: ValidateDir | None) -> Path:
@@ -128,3 +126,23 @@ def run_family(ctx: Context, run_: Any, methods: list[str], validation: Validate
     main["family"] = family_rows(results, methods)
     write_report(run_.dir, main)
     return run_.dir / "report.md"
+
+
+def _entry(ctx: Context, run_dir: Path, inp: Inputs) -> Path:
+    validation = inp.get("validate")
+    v = ValidateDir(validation) if validation else None
+    members = inp.shared.get("members")
+    if members:
+        return run_family(ctx, inp.run, inp.methods, v, members)
+    return run(ctx, inp.run, inp.methods, v)
+
+
+STAGE = Stage(
+    "report",
+    reads=("target",),
+    needs=("profile", "evaluate"),
+    optional=("validate",),
+    cached=False,
+    entry=_entry,
+)
+"""Not cached: it is rewritten at the end of every run from the artifacts."""

@@ -23,16 +23,10 @@ from autocompress_nemo.stages.common import (
     measured_metrics,
     search_capabilities,
 )
-from autocompress_nemo.stages.declare import DATA, LAYOUT, PARENT, Stage, reads
+from autocompress_nemo.stages.declare import DATA, LAYOUT, PARENT, Inputs, Stage, reads
 from autocompress_nemo.stages.layout import ProfileDir, RankDir, SearchDir, ValidateDir
 from autocompress_nemo.utils.artifacts import write_json_atomic
 
-STAGE = Stage(
-    "search",
-    reads=reads(PARENT, LAYOUT, DATA, "target", "search"),
-    needs=("rank", "profile", "validate"),
-    per_method=True,
-)
 
 
 def run(
@@ -384,3 +378,30 @@ def verify_measured(
         import shutil
 
         shutil.rmtree(out / "verify_engine", ignore_errors=True)
+
+
+def _entry(ctx: Context, out: Path, inp: Inputs) -> None:
+    validation, first = inp.get("validate"), inp.get("search@first")
+    assert inp.method is not None and inp.checkpoint is not None
+    run(
+        ctx,
+        out,
+        inp.method,
+        RankDir(inp["rank"]),
+        ProfileDir(inp["profile"]),
+        ValidateDir(validation) if validation else None,
+        inp.checkpoint,
+        SearchDir(first) if first else None,
+    )
+
+
+STAGE = Stage(
+    "search",
+    reads=reads(PARENT, LAYOUT, DATA, "target", "search"),
+    needs=("rank", "profile"),
+    optional=("validate",),
+    per_method=True,
+    distributed=True,
+    resumable=True,
+    entry=_entry,
+)
