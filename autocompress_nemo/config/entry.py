@@ -229,6 +229,7 @@ def hydra_entry(task_fn: Callable[[DictConfig], Any], lock_run_dir: bool = False
 
     @functools.wraps(task_fn)
     def main() -> Any:
+        children_leave_ctrl_c_to_the_parent()
         try:
             return _main()
         except KeyboardInterrupt:  # Ctrl-C before or between stages: the same line, no traceback
@@ -317,6 +318,42 @@ def interrupted() -> None:
     if launch_rank() == 0:
         print(f"\nautocompress: {INTERRUPTED}", file=sys.stderr, flush=True)
     sys.exit(130)
+
+
+_CHILDREN_QUIET = False
+
+
+def children_leave_ctrl_c_to_the_parent() -> None:
+    """Worker processes this process starts ignore SIGINT: a terminal's Ctrl-C reaches the whole process
+    group, and each worker (Megatron's asynchronous checkpoint writers, data loaders) would print its own
+    ``KeyboardInterrupt`` traceback while the parent already ends with :func:`interrupted`. Forked
+    children ignore it from the fork on (``os.register_at_fork``); spawned ones (a fresh interpreter)
+    are started with SIGINT ignored, which Python keeps at start-up (``multiprocessing.util.spawnv_passfds``
+    wrapped: the parent ignores SIGINT only for the fork-and-exec itself). The parent stops its daemonic
+    workers when it exits and waits for the others (a checkpoint being written is finished)."""
+    global _CHILDREN_QUIET
+    import multiprocessing.util
+    import os
+    import signal
+
+    if _CHILDREN_QUIET or not hasattr(os, "register_at_fork"):
+        return
+    _CHILDREN_QUIET = True
+    os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    spawn = multiprocessing.util.spawnv_passfds
+
+    @functools.wraps(spawn)
+    def spawn_ignoring_sigint(*args: Any, **kwargs: Any) -> Any:
+        try:
+            before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:  # not the main thread: signals cannot be changed here
+            return spawn(*args, **kwargs)
+        try:
+            return spawn(*args, **kwargs)
+        finally:
+            signal.signal(signal.SIGINT, before)
+
+    multiprocessing.util.spawnv_passfds = spawn_ignoring_sigint
 
 
 def run_task(task_fn: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
