@@ -12,7 +12,9 @@ Tasks and response keys are those of ``vllm_worker.py`` (protocol: ``_protocol.p
   .model``), KV = the KV cache manager's bytes per token (``get_cache_bytes_per_token``) x
   ``context_len`` x ``batch``, with the pool it allocated (``get_kv_cache_stats``: blocks x tokens
   per block) in ``engine_report``; compute = the growth of the CUDA caching allocator's peak over the
-  timed runs (``torch.cuda.max_memory_allocated``).
+  timed runs (``torch.cuda.max_memory_allocated``); output (runtime buffers) = the device memory the
+  engine took (``torch.cuda.mem_get_info`` before ``LLM(...)`` and after the runs) less the KV pool's
+  surplus over the workload, the weights, KV and workspace, so the parts add up to what it holds.
 - ``logits``: the model's real weights; the top-``top_k`` log-probabilities of every prompt position,
   from the context logits TensorRT-LLM returns (``return_context_logits``), aligned like vLLM's
   ``prompt_logprobs`` (row ``i`` predicts token ``i``; row 0 is empty).
@@ -260,7 +262,25 @@ def _memory(
         }
     compute = float(max(0, torch.cuda.max_memory_allocated() - peak0))
     source["compute"] = "CUDA caching allocator: peak growth over the timed runs (this process)"
-    memory = {"weights": weights, "kv": per_token * ctx * batch, "compute": compute, "output": 0.0}
+    kv = per_token * ctx * batch
+    runtime = 0.0
+    if engine is not None:
+        # what the engine holds on the device, as vllm_worker.py reads its process: the device memory
+        # LLM(...) and the runs took (torch.cuda.mem_get_info before and after), less the KV pool's
+        # surplus over the workload's KV; runtime = the rest after weights, KV and the workspace
+        # (cuBLAS / attention workspaces, sampler and decoder buffers). Written from TensorRT-LLM's
+        # source, exercised only on a GPU machine (bench/gpu_check.sh).
+        free1, _ = torch.cuda.mem_get_info()
+        used = float(free0 - free1)
+        surplus = max(0.0, pool_tokens * per_token - kv)
+        held = used - surplus
+        runtime = max(0.0, held - weights - kv - compute)
+        report.update(device_bytes_used=used, kv_pool_surplus_bytes=surplus, process_memory_bytes=held)
+        source["output"] = (
+            "device memory taken by LLM(...) and the runs (torch.cuda.mem_get_info) less the KV pool's surplus, "
+            "weights, KV and workspace: runtime buffers"
+        )
+    memory = {"weights": weights, "kv": kv, "compute": compute, "output": runtime}
     return memory, source, report
 
 
