@@ -27,6 +27,8 @@ list[int]``, ``decode(list[int]) -> str`` and ``eos_token_id`` (``bos_token_id``
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +38,27 @@ from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 Forward = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+
+
+class _Progress:
+    """``[label done/total] what`` with the time left at every quarter of ``total`` items (calls of at
+    least 16 items; ``done`` never passes ``total``)."""
+
+    def __init__(self, label: str, what: str, total: int, log: Callable[[str], None]) -> None:
+        self.label, self.what, self.total, self.log = label, what, total, log
+        self.t0, self.every, self.said = time.time(), max(1, total // 4), 0
+
+    def __call__(self, done: int) -> None:
+        done = min(done, self.total)
+        if self.total < 16 or done // self.every <= self.said // self.every and done != self.total:
+            return
+        if done == self.said:
+            return
+        self.said = done
+        el = time.time() - self.t0
+        self.log(
+            f"[{self.label} {done}/{self.total}] {self.what} ({el:.0f} s, ~{el / done * (self.total - done):.0f} s left)"
+        )
 
 
 class TorchLM(LM):
@@ -64,6 +87,8 @@ class TorchLM(LM):
                 "token for empty contexts and rolling windows"
             )
         self.prefix_token_id: int = int(prefix)
+        self.log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
+        """Where progress lines go (``[lm-eval <name> done/total] ...`` at every quarter of a long call)."""
         self.eos_token_id = eos
         self.pad_token_id = int(getattr(tokenizer, "pad_token_id", None) or self.prefix_token_id)
 
@@ -93,6 +118,7 @@ class TorchLM(LM):
         the vocabulary is the costly part)."""
         self.model.eval()
         out: list[torch.Tensor] = []
+        progress = _Progress(f"lm-eval {self.name}", "sequences scored", len(seqs), self.log)
         for i in range(0, len(seqs), self.batch_size):
             chunk = seqs[i : i + self.batch_size]
             T = max(len(s) for s in chunk)
@@ -103,6 +129,7 @@ class TorchLM(LM):
             for b, s in enumerate(chunk):
                 keep = len(s) if tails is None else min(tails[i + b], len(s))
                 out.append(F.log_softmax(logits_BTV[b, len(s) - keep : len(s)].float(), dim=-1).cpu())
+            progress(len(out))
         return out
 
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
@@ -142,6 +169,7 @@ class TorchLM(LM):
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         out = []
+        progress = _Progress(f"lm-eval {self.name}", "texts scored", len(requests), self.log)
         for req in requests:
             (text,) = req.args
             windows = [
@@ -151,6 +179,7 @@ class TorchLM(LM):
             total = sum(lp for lp, _ in self._score(windows))
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
             out.append(total)
+            progress(len(out))
         return out
 
     @torch.no_grad()

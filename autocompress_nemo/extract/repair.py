@@ -44,6 +44,41 @@ def option_importance(decisions: list[Decision], sorted_imp: Any) -> list[list[f
     return out
 
 
+Progress = Callable[[int, int], None]
+
+
+def progress_lines(log: Callable[[str], None], label: str, what: str, min_total: int = 4) -> Progress:
+    """A ``(done, total)`` callback logging ``[label done/total] what`` with the time left at every quarter
+    (and the last) of a call of at least ``min_total`` items; the count never passes the total."""
+    state = {"t0": 0.0}
+
+    def report(done: int, total: int) -> None:
+        import time
+
+        if done <= 1:
+            state["t0"] = time.time()
+        if total < min_total or done > total or (done % max(1, total // 4) and done != total):
+            return
+        el = time.time() - state["t0"]
+        log(f"[{label} {done}/{total}] {what} ({el:.0f} s, ~{el / done * (total - done):.0f} s left)")
+
+    return report
+
+
+def judge_many(judge: Any, children: list[list[int]], progress: Progress | None = None) -> list[float]:
+    """The judge's loss of every child: in batches when the judge can (``KdJudge.losses``: several
+    children in one forward), else one call each; ``progress(done, total)`` after each."""
+    many = getattr(judge, "losses", None)
+    if many is not None:
+        return list(many(children, progress))
+    out = []
+    for i, ch in enumerate(children):
+        out.append(judge.loss(ch))
+        if progress is not None:
+            progress(i + 1, len(children))
+    return out
+
+
 def violations(costs: dict[str, float], budgets: dict[str, float]) -> dict[str, float]:
     """Relative excess per violated budget (``cost / budget - 1 > 0``)."""
     return {m: costs[m] / b - 1.0 for m, b in budgets.items() if costs[m] > b * (1 + 1e-9)}
@@ -97,11 +132,11 @@ def _lazy_greedy(
                 cands[i] = (trial, c, v)
         if not cands:
             return choices, moves, None
-        fresh: set[int] = set()
-        for i in cands:
-            if i not in dloss:
-                dloss[i] = judge.loss(cands[i][0]) - cur
-                fresh.add(i)
+        unmeasured = [i for i in cands if i not in dloss]
+        losses = judge_many(judge, [cands[i][0] for i in unmeasured], progress_lines(log, verb, "moves judged", 8))
+        for i, v in zip(unmeasured, losses, strict=True):
+            dloss[i] = v - cur
+        fresh: set[int] = set(unmeasured)
 
         def ranked(cands: dict[int, tuple[list[int], dict[str, float], float]] = cands) -> list[int]:
             return sorted(cands, key=lambda j: dloss[j] / cands[j][2])

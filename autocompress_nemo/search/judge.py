@@ -55,6 +55,10 @@ class KdJudge:
     fixed batches. ``close()`` removes the mask hooks from ``model``."""
 
     label = "kd"
+    max_group = 8
+    """Children judged in one forward at most (``losses``)."""
+    logits_bytes = 256 * 2**20
+    """Float32 logits of one grouped forward at most (the group shrinks for a large vocabulary)."""
 
     def __init__(
         self,
@@ -103,6 +107,58 @@ class KdJudge:
         out = world_mean(sum(vals) / len(vals))
         self._memo[key] = out
         return out
+
+    def losses(self, children: list[list[int]], progress: Callable[[int, int], None] | None = None) -> list[float]:
+        """``loss`` of every child, the ones not judged yet in groups of ``group_size()`` per forward
+        (the batch repeated once per child, each child's masks on its own rows: ``Supernet.
+        set_choices_rows``); one child per forward where the supernet cannot (MoE / Mamba decisions).
+        ``progress(done, total)`` after every group."""
+        from autocompress_nemo.distill.kd import kd_loss
+
+        keys = [tuple(int(k) for k in ch) for ch in children]
+        todo = list(dict.fromkeys(k for k in keys if k not in self._memo))
+        g = self.group_size()
+        done = sum(1 for k in keys if k in self._memo)
+        if g <= 1:
+            for key in todo:
+                self.loss(list(key))
+                done += sum(1 for k in keys if k == key)
+                if progress is not None:
+                    progress(min(done, len(keys)), len(keys))
+            return [self._memo[k] for k in keys]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(todo), g):
+                group = todo[start : start + g]
+                sums = [0.0] * len(group)
+                for x, t in zip(self.rows, self.teacher, strict=True):
+                    b = x.shape[0]
+                    self.supernet.set_choices_rows([list(k) for k in group], b)
+                    with torch.no_grad():
+                        logits = self.forward(self.model, x.repeat(len(group), 1))
+                    for j in range(len(group)):
+                        sums[j] += float(kd_loss(logits[j * b : (j + 1) * b], t, self.temperature))
+                    del logits
+                self.calls += len(group)
+                for key, v in zip(group, sums, strict=True):
+                    self._memo[key] = world_mean(v / len(self.rows))
+                    done += sum(1 for k in keys if k == key)
+                if progress is not None:
+                    progress(min(done, len(keys)), len(keys))
+        finally:
+            self.supernet.clear()
+            self.model.train(was_training)
+        return [self._memo[k] for k in keys]
+
+    def group_size(self) -> int:
+        """Children per forward: ``KdJudge.max_group``, fewer so that their logits stay within
+        ``KdJudge.logits_bytes``; 1 when the supernet cannot give children rows of their own."""
+        if not self.supernet.rows_batchable() or not self.rows:
+            return 1
+        x, t = self.rows[0], self.teacher[0]
+        per_child = t.numel() * 4 * max(1, x.shape[0]) // max(1, t.shape[0])
+        return max(1, min(self.max_group, self.logits_bytes // max(1, per_child)))
 
     def close(self) -> None:
         self.supernet.remove()

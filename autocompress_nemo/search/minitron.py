@@ -44,7 +44,7 @@ their order and the token count are exactly the width-only ones of before.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -307,8 +307,14 @@ def run_minitron_pp(
     for r in trajectory:
         if best is None or r["kd"] < best[0]:
             best = (float(r["kd"]), list(r["choices"]))
+    _resumed = list(trajectory)
+    t_cands = time.time()
+    log(
+        f"minitron++: scoring {len(top) - len(trajectory)} candidates, each {retrain} retraining steps and "
+        f"{n_score} scoring batches"
+    )
     for ci, cand in enumerate(top):
-        if ci < len(trajectory):
+        if ci < len(_resumed):
             continue  # scored before the stage was interrupted
         tokens_before = tokens
         cand_model = fresh_model() if retrain and fresh_model is not None else model
@@ -333,14 +339,21 @@ def run_minitron_pp(
                 cand_model,
                 teacher,
                 student,
-                (batch_at(RETRAIN_OFFSET + s) for s in range(retrain)),
+                steps_logged(
+                    (batch_at(RETRAIN_OFFSET + s) for s in range(retrain)),
+                    retrain,
+                    f"[minitron++ candidate {ci + 1}/{len(top)}] retraining step",
+                    log,
+                ),
                 lr=cfg.weight_lr,
                 temperature=temperature,
             )
             tokens += sum(batch_at(RETRAIN_OFFSET + s).numel() for s in range(retrain))
         losses = []
         with torch.no_grad():
-            for s in range(n_score):
+            for s in steps_logged(
+                range(n_score), n_score, f"[minitron++ candidate {ci + 1}/{len(top)}] scoring batch", log
+            ):
                 x = batch_at(SCORE_OFFSET + s)  # calibration batches disjoint from the retraining ones
                 sn.enabled = False
                 t = forward(model, x)
@@ -350,9 +363,12 @@ def run_minitron_pp(
         sn.remove()
         score = sum(losses) / len(losses)
         arch = apply_choices(parent, decisions, cand.choices)
+        done = ci + 1 - len(_resumed)
+        left = (time.time() - t_cands) / max(done, 1) * (len(top) - ci - 1)
         log(
             f"minitron++ candidate {ci + 1}/{len(top)}: kd={score:.4f} spent={cand.spent:.3f} "
-            f"removed={list(cand.removed)} {uniform_shape(arch)}"
+            f"removed={list(cand.removed)} {uniform_shape(arch)} "
+            f"({len(top) - ci - 1} candidates left, ~{left:.0f} s)"
         )
         trajectory.append(
             {
@@ -380,6 +396,18 @@ def run_minitron_pp(
         importance_tokens=imp_tokens,
         depth=depth,
     )
+
+
+def steps_logged(items: Iterable[Any], total: int, what: str, log: Callable[[str], None]) -> Iterator[Any]:
+    """``items``, with ``{what} i/total`` and the time left logged after every ``total // 4``-th item
+    (and the last): the count never passes ``total`` (items past it are yielded without a line)."""
+    t0, every = time.time(), max(1, total // 4)
+    for i, x in enumerate(items):
+        yield x
+        n = i + 1
+        if n <= total and (n % every == 0 or n == total):
+            el = time.time() - t0
+            log(f"{what} {n}/{total} ({el:.0f} s, ~{el / n * (total - n):.0f} s left)")
 
 
 def _scored(checkpoint: str | None, top: list[Candidate], log: Callable[[str], None]) -> list[dict[str, Any]]:

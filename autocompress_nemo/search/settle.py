@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autocompress_nemo.arch.spec import ArchSpec
-from autocompress_nemo.extract.repair import _norm_cost, grow, repair, violations
+from autocompress_nemo.extract.repair import _norm_cost, grow, judge_many, progress_lines, repair, violations
 from autocompress_nemo.search.space import Decision, apply_choices, uniform_candidates
 
 Predict = Callable[[ArchSpec], dict[str, float]]
@@ -107,8 +107,10 @@ class Settler:
         fits.sort(key=lambda t: -t[0])
         best: tuple[list[int], float] | None = None
         pool = fits[: max(1, int(self.uniform_pool))]
-        for _, cand in pool:
-            kd = self.judge.loss(cand)
+        losses = judge_many(
+            self.judge, [cand for _, cand in pool], progress_lines(self.log, "search:guard", "uniform children judged")
+        )
+        for (_, cand), kd in zip(pool, losses, strict=True):
             if best is None or kd < best[1]:
                 best = (cand, kd)
         return (None, None, 0) if best is None else (best[0], best[1], len(pool))

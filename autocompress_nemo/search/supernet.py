@@ -84,6 +84,7 @@ class Supernet:
         self.masks_of = [option_masks(d, parent) for d in decisions]
         self._masks: dict[tuple[int, str], torch.Tensor] = {}
         self._topk: dict[int, list[int]] = {}
+        self._rows = 1
         self.enabled = True
         self._handles: list[Any] = []
         self._routers: list[Any] = []
@@ -109,10 +110,12 @@ class Supernet:
         def hook(_mod, args):  # noqa: ANN001, ANN202
             if not self.enabled or key not in self._masks:
                 return None
-            m = self._masks[key][start : start + local]
+            m = self._masks[key][..., start : start + local]
             if unit > 1:
-                m = m.repeat_interleave(unit)
+                m = m.repeat_interleave(unit, dim=-1)
             x = args[0]
+            if m.dim() == 2:  # one mask per child, each over its rows of the batch (``set_choices_rows``)
+                m = m.repeat_interleave(self._rows, dim=0).unsqueeze(0)  # [1, children x rows, D]: x is [S, B, D]
             return (x * m.to(x.dtype),) + tuple(args[1:])
 
         self._handles.append(mod.register_forward_pre_hook(hook))
@@ -202,6 +205,27 @@ class Supernet:
                 for d, k in zip(self.decisions, choices, strict=True)
             ]
         )
+
+    def rows_batchable(self) -> bool:
+        """Whether several children can share one forward (``set_choices_rows``): every mask acts on a
+        dense ``[S, B, D]`` input (attention heads, MLP neurons); MoE (tokens dispatched to experts) and
+        Mamba decisions are judged one child at a time."""
+        return all(kind_of(d).name in ("attention", "mlp") for d in self.decisions) and not self._routers
+
+    def set_choices_rows(self, children: list[list[int]], rows: int) -> None:
+        """One-hot masks of several children at once: child ``g`` masks rows ``g*rows .. (g+1)*rows - 1``
+        of the batch (the caller repeats its batch once per child). Each child's forward equals its
+        own one-child forward (the masks are 0 / 1 per row; ``tests/test_judge_batched.py``)."""
+        if not self.rows_batchable():
+            raise ValueError("set_choices_rows: MoE / Mamba decisions are judged one child at a time")
+        per: dict[tuple[int, str], list[torch.Tensor]] = {}
+        for choices in children:
+            for d, om, k in zip(self.decisions, self.masks_of, choices, strict=True):
+                for name, m in om.items():
+                    if name != "topk_values":
+                        per.setdefault((d.block_index, name), []).append(m[int(k)])
+        self._masks = {key: torch.stack(ms) for key, ms in per.items()}
+        self._rows = int(rows)
 
     def clear(self) -> None:
         self._masks.clear()
