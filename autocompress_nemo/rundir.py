@@ -90,10 +90,39 @@ def _text_errno(msg: str) -> int:
     return 0
 
 
-def find_disk_error(e: BaseException) -> OSError | None:
+LOW_SPACE = 64 << 20
+"""Free bytes below which a failed write (whose errno a library dropped) is taken for a full disk."""
+
+
+def _failed_write(e: BaseException) -> bool:
+    """``e`` holds a write that failed without saying why: an ``OSError`` without an errno, a distributed
+    checkpoint's failure, a library's "error: <class 'OSError'>" (Megatron's checkpoint writer logs the
+    errno and raises only the class)."""
+    for x in os_errors(e):
+        if isinstance(x, OSError) or type(x).__name__ in ("CheckpointException", "CheckpointingException"):
+            return True
+        if "OSError" in str(x) or "write failed" in str(x):
+            return True
+    return False
+
+
+def free_bytes(path: str | os.PathLike[str]) -> int | None:
+    """Free bytes on the file system of ``path`` (its nearest existing ancestor); None when unknown."""
+    p = Path(path).expanduser().absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return int(shutil.disk_usage(p).free)
+    except OSError:
+        return None
+
+
+def find_disk_error(e: BaseException, where: str | os.PathLike[str] | None = None) -> OSError | None:
     """The full-disk (or quota) ``OSError`` inside ``e`` (:func:`os_errors`), the one naming a path
     first; an ``OSError`` made from a library's text (numpy's "Not enough free space", torch's
-    "file write failed") when none is raised as such. None when ``e`` is not about a full disk."""
+    "file write failed") when none is raised as such; and, given ``where`` (the directory being
+    written), a write that failed without its errno on a file system with less than ``LOW_SPACE``
+    free. None when ``e`` is not about a full disk."""
     found: list[OSError] = []
     for x in os_errors(e):
         code = x.errno if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT) else _text_errno(str(x))
@@ -104,7 +133,13 @@ def find_disk_error(e: BaseException) -> OSError | None:
         else:
             found.append(OSError(code, os.strerror(code), getattr(x, "filename", None)))
     named = [x for x in found if x.filename is not None]
-    return (named or found or [None])[0]
+    if named or found:
+        return (named or found)[0]
+    if where is not None and _failed_write(e):
+        free = free_bytes(where)
+        if free is not None and free < LOW_SPACE:
+            return OSError(errno.ENOSPC, f"No space left on device ({free:,} bytes free)", str(where))
+    return None
 
 
 def describe_os_error(e: BaseException, where: str | os.PathLike[str] | None = None) -> str:
@@ -112,8 +147,12 @@ def describe_os_error(e: BaseException, where: str | os.PathLike[str] | None = N
     exception (a distributed checkpoint's per-rank failures, a library's text) is found and named
     (:func:`find_disk_error`); ``where``: the path to name when the error carries none (the file or
     directory being written)."""
-    if not isinstance(e, OSError) or (e.errno is None and _text_errno(str(e))):
-        e = find_disk_error(e) or (e if isinstance(e, OSError) else OSError(0, str(e)))
+    if not isinstance(e, OSError) or not e.errno:
+        found = find_disk_error(e, where)
+        if found is None and not isinstance(e, OSError):
+            first = (str(e).strip().splitlines() or [""])[0]
+            return f"{type(e).__name__}: {first}" + (f" (writing {where})" if where is not None else "")
+        e = found or e
     code = e.errno or 0
     name = errno.errorcode.get(code, "")
     path = e.filename if e.filename is not None else where
@@ -124,12 +163,13 @@ def describe_os_error(e: BaseException, where: str | os.PathLike[str] | None = N
     )
 
 
-def disk_error(e: BaseException) -> int:
+def disk_error(e: BaseException, where: str | os.PathLike[str] | None = None) -> int:
     """The errno of a full disk (or quota) anywhere inside ``e`` (:func:`find_disk_error`: raised as
     ``OSError``, inside a distributed checkpoint's failures or a cause, or reported by a library as text
     — torch's ``PytorchStreamWriter ... file write failed``, safetensors' ``code: 28``, numpy's "Not
-    enough free space"); 0 otherwise."""
-    found = find_disk_error(e)
+    enough free space"; given ``where``, a write that failed without its errno where less than
+    ``LOW_SPACE`` is free); 0 otherwise."""
+    found = find_disk_error(e, where)
     return int(found.errno or 0) if found is not None else 0
 
 

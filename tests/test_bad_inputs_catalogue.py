@@ -168,18 +168,37 @@ def _token_cache_full(tmp: Path, mp: pytest.MonkeyPatch) -> tuple[int, str]:
 
 
 def _checkpoint_full(tmp: Path, mp: pytest.MonkeyPatch) -> tuple[int, str]:
-    """ENOSPC inside a distributed checkpoint's per-rank failures (torch.distributed.checkpoint's
-    ``CheckpointException``, a ``BaseException`` the stages do not catch), while the log file's writes
-    fail too (logging's "--- Logging error ---" traceback at every message)."""
+    """A full disk under extract's Megatron checkpoint write (``models/dist_checkpoint.save_checkpoint``,
+    the real one): Megatron's writer logs the ENOSPC and raises torch's ``CheckpointException`` (a
+    ``BaseException``) holding only "error: <class 'OSError'>"; meanwhile the log file's writes fail
+    too (logging's "--- Logging error ---" traceback at every message)."""
     import errno
     import logging
+    import shutil
 
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as fsa
     from omegaconf import OmegaConf
-    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
     from autocompress_nemo.config.entry import one_line_log_file_errors, run_task
+    from autocompress_nemo.distributed import init_distributed
+    from autocompress_nemo.models.builder import build_model
+    from autocompress_nemo.models.dist_checkpoint import save_checkpoint
+    from tests.conftest import tiny_uniform_spec
 
-    path = tmp / "run" / "extract_autocompress.tmp-1" / "megatron" / "iter_0000001" / "__0_0.distcp"
+    run = tmp / "run"
+    out = run / "extract_autocompress.tmp-1" / "megatron"
+
+    def full(*a, **k):  # noqa: ANN002, ANN003
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real_usage = shutil.disk_usage
+
+    def usage(path):  # noqa: ANN001, ANN202 - the run directory's disk is full
+        got = real_usage(path)
+        return got._replace(free=4096) if str(Path(path).absolute()).startswith(str(run)) else got
+
+    mp.setattr(fsa, "_write_item", full)
+    mp.setattr(shutil, "disk_usage", usage)
 
     class FullDisk(logging.FileHandler):
         def emit(self, record: logging.LogRecord) -> None:
@@ -188,24 +207,26 @@ def _checkpoint_full(tmp: Path, mp: pytest.MonkeyPatch) -> tuple[int, str]:
             except OSError:
                 self.handleError(record)
 
-    (tmp / "run").mkdir()
-    handler = FullDisk(str(tmp / "run" / "search.log"), delay=True)
+    run.mkdir()
+    handler = FullDisk(str(run / "search.log"), delay=True)
     root = logging.getLogger()
     root.addHandler(handler)
 
     def extract(cfg):  # noqa: ANN001
         one_line_log_file_errors()
         for i in range(5):
-            logging.getLogger("extract").warning("writing the Megatron checkpoint, part %d", i)
-        try:
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        except OSError as e:
-            raise CheckpointException("save", {0: _wrap_exception(e)}) from None
+            logging.getLogger("extract").warning("slicing the student, part %d", i)
+        init_distributed(tp=1, seed=0)
+        save_checkpoint(build_model(tiny_uniform_spec(), init_seed=0, impl="local"), tiny_uniform_spec(), out)
 
+    megatron_log = logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    level = megatron_log.level
+    megatron_log.setLevel(logging.CRITICAL)  # its own "Local worker 0 encountered an error" line aside
     try:
-        return _exit_code(lambda: run_task(extract, OmegaConf.create({"run_dir": str(tmp / "run")})))
+        return _exit_code(lambda: run_task(extract, OmegaConf.create({"run_dir": str(run)})))
     finally:
         root.removeHandler(handler)
+        megatron_log.setLevel(level)
 
 
 def _ctrl_c(tmp: Path, mp: pytest.MonkeyPatch) -> tuple[int, str]:
@@ -410,9 +431,8 @@ CASES: list[Case] = [
         "disk",
         _checkpoint_full,
         [
-            "autocompress: error: No space left on device (ENOSPC): ",
-            "__0_0.distcp; free space on that disk",
-            "cannot write the log file",
+            "autocompress: error: No space left on device (4,096 bytes free) (ENOSPC): <tmp>/run; free space",
+            "autocompress: warning: cannot write the log file: No space left on device (ENOSPC): <tmp>/run/search.log",
         ],
         up_front=False,
         forbidden=["Logging error", "CheckpointException"],
@@ -431,6 +451,7 @@ CASES: list[Case] = [
 def check(case: Case, tmp: Path, code: int, err: str, took: float) -> None:
     assert code == case.code, f"exit status {code}, expected {case.code}:\n{err}"
     for part in case.expected:
+        part = part.replace("<tmp>", str(tmp))
         assert part in err, f"{part!r} not in:\n{err}"
     for part in case.forbidden:
         assert part not in err, f"{part!r} in:\n{err}"

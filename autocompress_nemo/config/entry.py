@@ -370,12 +370,16 @@ def run_task(task_fn: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
     except KeyboardInterrupt:
         interrupted()
     except Exception as e:  # noqa: BLE001 - re-raised unless it is a full disk
-        if os.environ.get("AUTOCOMPRESS_DEBUG") or not disk_error(e):
+        if os.environ.get("AUTOCOMPRESS_DEBUG") or not disk_error(e, str(cfg.run_dir)):
             raise
         print(f"autocompress: error: {describe_os_error(e, str(cfg.run_dir))}", file=sys.stderr, flush=True)
         sys.exit(2)
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
-        if isinstance(e, SystemExit | GeneratorExit) or os.environ.get("AUTOCOMPRESS_DEBUG") or not disk_error(e):
+        if (
+            isinstance(e, SystemExit | GeneratorExit)
+            or os.environ.get("AUTOCOMPRESS_DEBUG")
+            or not disk_error(e, str(cfg.run_dir))
+        ):
             raise
         print(f"autocompress: error: {describe_os_error(e, str(cfg.run_dir))}", file=sys.stderr, flush=True)
         sys.exit(2)
