@@ -117,7 +117,6 @@ def _entry(stage: str) -> Callable[[], None]:
     return main
 
 
-reconstruct_main = _entry("reconstruct")
 profile_main = _entry("profile")
 rank_main = _entry("rank")
 extract_main = _entry("extract")

@@ -12,6 +12,7 @@ stage: ``stage``, ``name``, ``method``, ``budget``, ``status``, ``key``, ``secon
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,11 @@ class Walk:
         inp = Inputs(run, dirs, method, ckpt, by_method or {}, self.methods, self.shared)
         if not stage.cached:
             return stage.entry(ctx.for_stage(stage.reads), run.dir, inp) if stage.entry else None
-        return run.run_stage(stage, ctx, lambda c, d: stage.entry(c, d, inp) if stage.entry else None, inputs, method)
+        path = run.run_stage(stage, ctx, lambda c, d: stage.entry(c, d, inp) if stage.entry else None, inputs, method)
+        if ckpt is not None and not bool(self.cfg.get("keep_checkpoints", False)) and is_rank0():
+            # the artifact is complete: its checkpoints (weights + optimizer state) are spent
+            shutil.rmtree(ckpt, ignore_errors=True)
+        return path
 
     # -- the walk ---------------------------------------------------------------------------
     def __call__(self) -> dict[str, Any]:

@@ -31,6 +31,7 @@ TINY = [
     "distill.tokens=1024",  # 4 steps of 2 x 128 tokens
     "distill.checkpoint_every=2",
     "stages=[profile,rank,search,extract,distill]",
+    "keep_checkpoints=true",  # what these tests inspect; by default a complete stage's checkpoints are removed
 ]
 SEARCH, EXTRACT, DISTILL = "search_autocompress", "extract_autocompress", "distill_autocompress"
 

@@ -190,6 +190,9 @@ def test_the_pipeline_runs_it_between_extract_and_distill(tmp_path) -> None:
     assert sum(rec["layer_nmse_after"]) < sum(rec["layer_nmse_before"])
     man = json.loads((tmp_path / "a" / "distill_autocompress" / "manifest.json").read_text())
     assert "reconstruct_autocompress" in man["inputs"]
+    # complete stages keep their artifact only: checkpoints (weights + optimizer state) are removed
+    for stage in ("search_autocompress", "reconstruct_autocompress", "distill_autocompress"):
+        assert (tmp_path / "a" / stage).is_dir() and not (tmp_path / "a" / f"{stage}.ckpt").exists(), stage
 
     off = run_pipeline(compose([*common, f"run_dir={tmp_path}/b", "reconstruct.fraction=0"]))
     assert statuses(off)["reconstruct_autocompress"] == "passed"

@@ -85,9 +85,9 @@ def test_pipeline_script_one_step_per_stage(cfg, tmp_path):
     shellcheck(text, tmp_path)
     assert text.count("srun ") == len(stages)
     assert "torchrun --nnodes=1 --nproc-per-node=1" in text  # profile, extract, ... one process
-    assert text.count("torchrun --nnodes=2 --nproc-per-node=8") == 3  # rank, search, distill
-    # time limit: the sum of the stages' limits (2+2+2+12+1+24+4+2 h = 49 h)
-    assert "#SBATCH --time=2-01:00:00" in text
+    assert text.count("torchrun --nnodes=2 --nproc-per-node=8") == 4  # rank, search, reconstruct, distill
+    # time limit: the sum of the stages' limits (2+2+2+12+1+4+24+4+2 h = 53 h)
+    assert "#SBATCH --time=2-05:00:00" in text
 
 
 def test_overrides_are_quoted_and_passed_unchanged(cfg, tmp_path):

@@ -432,6 +432,10 @@ class RunConfig:
     """Also run the Minitron++ baseline at the same budget and recovery tokens."""
     dry_run: bool = False
     """Plan only: no weights, no GPUs."""
+    keep_checkpoints: bool = False
+    """Keep a resumable stage's checkpoints (``<run_dir>/<stage>.ckpt``: weights and optimizer state)
+    after its artifact is complete; by default they are removed then (a killed stage still resumes:
+    its checkpoints are removed only once its artifact exists)."""
     stages: list[str] = field(default_factory=lambda: _all_stages())
     """The stages to run (with what they need); every stage by default (``autocompress --graph``)."""
 

@@ -166,6 +166,5 @@ STAGE = Stage(
     resumable=True,
     joins=("distill",),
     enabled=_disabled,
-    script="the extracted student after blockwise local distillation in <run_dir>/reconstruct_<method>",
     entry=lambda ctx, out, inp: run(ctx, out, RankDir(inp["rank"]), ExtractDir(inp["extract"]), inp.checkpoint),
 )
