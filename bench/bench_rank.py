@@ -9,7 +9,7 @@ both):
   ``git show``): float64 copies of every hooked activation, each head's ``W_i o_ti`` formed in
   float64, and the whole forward including the LM head;
 - ``new``: this checkout's ``rank.importance.collect_importance`` (head norms through each head's
-  Gram matrix, token sums in float64 without float64 copies, the forward stopped before the LM head).
+  Gram matrix, weight-derived constants once per pass, the forward stopped before the LM head).
 
 ``forward_only`` times the forward the new pass runs (stopped before the LM head) without any hook:
 what is left above it is the scoring's own cost, what is left below the FLOP bound is Megatron's

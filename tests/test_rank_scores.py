@@ -2,8 +2,8 @@
 
 ``ReferenceAccumulator`` is the scorer as it was before (every hooked activation copied to float64,
 each head's ``W_i o_ti`` formed and its norm taken, the whole forward including the LM head). The
-current ``Accumulator`` takes head norms through each head's Gram matrix, sums tokens in float64
-without float64 copies, and stops the forward before the LM head. On a heterogeneous tiny Llama and
+current ``Accumulator`` takes head norms through each head's Gram matrix, computes each weight-derived constant
+once per pass, and stops the forward before the LM head. On a heterogeneous tiny Llama and
 a tiny MoE the two agree to float64 rounding (rtol 1e-9), the permutations are the same, and the
 LM head is never run. The speed is measured by ``bench/bench_rank.py``, not here.
 """

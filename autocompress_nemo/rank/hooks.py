@@ -136,14 +136,15 @@ class Accumulator:
     def neurons(self, down: torch.nn.Module, key: Hashable, row: int | None = None, rows: int = 1) -> None:
         """``sum_t |a_tn| * ||W_down[:, n]||`` per neuron ``n`` of a down projection ``down`` (input
         ``a [..., F]``); with ``row``, into that row of a ``[rows, F]`` sum (one row per routed expert).
-        The sum over tokens is taken in float64 without a float64 copy of the activations."""
+        Summed over tokens in float64 after a float64 copy: ``sum(dim=0, dtype=float64)`` on float32 is
+        ~20x slower on this CPU (torch 2.x, measured: 11.7 vs 0.5 ms for [512, 1536])."""
         f = _in_features(down)
         self.zeros(key, (f,) if row is None else (rows, f), down, Reduce.UNITS if row is None else Reduce.EXPERT_UNITS)
 
         def hook(mod: Any, args: tuple) -> None:
             a = args[0].detach().reshape(-1, f)
             norms = self._const(mod, "column_norms", lambda w: w.norm(dim=0))
-            self.add(key, a.abs().sum(dim=0, dtype=torch.float64) * norms, row)
+            self.add(key, a.abs().double().sum(dim=0) * norms, row)
 
         self.pre_hook(down, hook)
 
@@ -154,7 +155,7 @@ class Accumulator:
         self.zeros(key, (h,), reader, Reduce.STREAM)
 
         def hook(mod: Any, args: tuple) -> None:
-            self.add(key, args[0].detach().reshape(-1, h).abs().sum(dim=0, dtype=torch.float64))
+            self.add(key, args[0].detach().reshape(-1, h).abs().double().sum(dim=0))
 
         self.pre_hook(reader, hook)
 
