@@ -188,7 +188,7 @@ def launch(
     if backend == "nemo_run":  # NeMo-Run executors (Local / Docker / Slurm), one task per stage
         from launchers.nemo_run import launch as nemo_run_launch
 
-        return nemo_run_launch(cfg, overrides, stages=stages, render_only=render_only, out_dir=out_dir)
+        return nemo_run_launch(cfg, overrides, stages=stages, chain=chain, render_only=render_only, out_dir=out_dir)
     if str(cfg.cluster.kind) == "local":
         codes = []
         for st in stages:

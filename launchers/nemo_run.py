@@ -16,8 +16,10 @@ The cluster config decides the executor, the job computes what the sbatch / loca
                                                on a login node)
 ============================================  =====================================================
 
-One NeMo-Run experiment per launch, one task per stage, run in order (on Slurm, NeMo-Run submits each
-stage ``--dependency=afterok`` on the previous one). ``--render-only`` is NeMo-Run's dry run: it prints
+One NeMo-Run experiment per launch. On Slurm one task per stage, each submitted
+``--dependency=afterok`` on the previous one (a stage has its own nodes, GPUs and time limit); locally and
+in Docker the pipeline is one task (``python -m autocompress_nemo.search``, every stage in one process),
+or one task per stage with ``--chain``. ``--render-only`` is NeMo-Run's dry run: it prints
 the scripts and submits nothing. Experiments live under ``<run_dir>/nemo_run`` (NeMo-Run's
 ``base_dir``).
 
@@ -32,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launchers.render import LaunchError, job_for, local_command, parse_time, step_for
+from launchers.render import MODULE, LaunchError, job_for, local_command, parse_time, step_for
 
 EXPERIMENT = "autocompress"
 
@@ -138,12 +140,36 @@ def executor_for(cfg: Any, stage: str, overrides: list[str], job_dir: Path) -> A
     )
 
 
+def pipeline_script(cfg: Any, overrides: list[str], workdir: str | None = None) -> Any:
+    """The whole pipeline as one task on this machine or in the image: ``python -m autocompress_nemo.search
+    <overrides>`` (the stages of ``cfg.stages`` in one process, as ``make run``), under torchrun when
+    ``cluster.processes_per_node > 1``."""
+    run = _nemo_run()
+    user = [o for o in overrides if not o.startswith("stages=")] + [f"stages=[{','.join(cfg.stages)}]"]
+    docker = executor_kind(cfg) == "docker"
+    python = "python" if docker else sys.executable
+    n = int(cfg.cluster.get("processes_per_node") or 1)
+    cmd = [python, "-m", MODULE, *user]
+    if n > 1:
+        cmd = ["torchrun", "--standalone", "--nnodes=1", f"--nproc-per-node={n}", "-m", MODULE, *user]
+    wd = str(cfg.cluster.get("container_workdir") or "/workspace") if docker else (workdir or os.getcwd())
+    return run.Script(inline=_inline(wd, cmd))
+
+
 def launch(
-    cfg: Any, overrides: list[str], *, stages: list[str], render_only: bool, out_dir: Path | None = None
+    cfg: Any,
+    overrides: list[str],
+    *,
+    stages: list[str],
+    chain: bool = False,
+    render_only: bool,
+    out_dir: Path | None = None,
 ) -> list[str]:
-    """Run (local, Docker) or submit (Slurm) ``stages`` as one NeMo-Run experiment, one task per stage
-    in order; ``render_only``: NeMo-Run's dry run. Returns the tasks' final states (local, Docker) or
-    Slurm job ids."""
+    """Run (local, Docker) or submit (Slurm) ``stages`` as one NeMo-Run experiment; ``render_only``:
+    NeMo-Run's dry run. On Slurm one task per stage, each after the previous (``afterok``: each stage has
+    its own nodes and time limit); locally and in Docker the whole pipeline is one task, as
+    ``python -m autocompress_nemo.search`` runs it, unless ``chain`` asks for one task per stage. Returns
+    the tasks' final states (local, Docker) or the Slurm job ids."""
     run = _nemo_run()
     base = Path(out_dir or Path(str(cfg.run_dir)) / "nemo_run").resolve()
     base.mkdir(parents=True, exist_ok=True)
@@ -151,6 +177,8 @@ def launch(
     if kind == "slurm":
         for st in stages:
             parse_time(job_for(cfg, [st], overrides).time_limit)  # refuse a bad layout / image before submitting
+    one_task = kind != "slurm" and not chain and len(stages) > 1
+    tasks = ["pipeline"] if one_task else stages
     with run.Experiment(
         EXPERIMENT,
         base_dir=str(base),
@@ -158,16 +186,16 @@ def launch(
         enable_goodbye_message=False,
         clean_mode=True,
     ) as exp:
-        for st in stages:
+        for st in tasks:
             exp.add(
-                script_for(cfg, st, overrides),
+                pipeline_script(cfg, overrides) if st == "pipeline" else script_for(cfg, st, overrides),
                 executor=executor_for(cfg, st, overrides, base / "jobs"),
                 name=st,
                 tail_logs=False,
             )
         if render_only:
             exp.dryrun(log=True, delete_exp_dir=False)
-            print(f"nemo_run: rendered {len(stages)} task(s) under {exp._exp_dir}")
+            print(f"nemo_run: rendered {len(tasks)} task(s) under {exp._exp_dir}")
             return []
         exp.run(sequential=True, detach=kind == "slurm", tail_logs=False)
     if kind == "slurm":
@@ -176,9 +204,9 @@ def launch(
             print(f"submitted {st}: job {i} (nemo_run, {exp._exp_dir})")
         return ids
     states = [str(j.state).split(" ")[0] for j in exp.jobs]
-    for st, s in zip(stages, states, strict=True):
+    for st, s in zip(tasks, states, strict=True):
         print(f"{st}: {s} (nemo_run {kind}, logs under {exp._exp_dir})")
-    failed = [st for st, s in zip(stages, states, strict=True) if s != "SUCCEEDED"]
+    failed = [st for st, s in zip(tasks, states, strict=True) if s != "SUCCEEDED"]
     if failed:
         raise LaunchError(f"nemo_run {kind}: stage(s) {', '.join(failed)} did not succeed (logs under {exp._exp_dir})")
     return states

@@ -23,7 +23,17 @@ build on a CPU without a driver, gloo, world size 1), kept as tests in ``tests/t
   ``sys.modules`` only after megatron-core's own Transformer Engine probes ran (so megatron-core still
   sees no Transformer Engine), whose classes raise when instantiated. Nothing below builds a
   Transformer Engine module: every model uses megatron-core's local (non-TE) layer specs.
-- The rest: see each command's docstring and the tests.
+- ``AutoBridge`` (``hf``): Llama (tiny; SmolLM2-135M from its GGUF), a DeciLM student through
+  ``llama_nemotron`` (KV groups, ffn, no-op blocks per layer) and a tiny Nemotron-H (Mamba, attention,
+  MoE, MLP) give logits equal to the project's adapter (max |d logit| 0.0) and export back the same
+  tensors; per-layer query heads are refused ("Shape mismatch ... linear_proj.weight").
+- ``save_megatron_model`` stops at ``torch.cuda.get_rng_state()`` (``training/checkpointing.py``).
+- ``load-project-ckpt``: the project's DeciLM-style student checkpoint with ``write_run_config``'s
+  ``run_config.yaml`` loads through Megatron-Bridge's loader, logits equal; as written (Megatron-LM
+  ``args`` only) its MLM-compat reader stops at ``multi_latent_attention``; a uniform student's layers
+  are saved one by one where Megatron-Bridge's GPT provider stacks them.
+- ``train-probe``: ``finetune`` / ``distill`` stop at import (``training/pretrain.py:19``,
+  ``nvidia_resiliency_ext``).
 """
 
 from __future__ import annotations
@@ -212,6 +222,26 @@ CPU_UNAVAILABLE = (
 )
 """Provider flags whose kernels need Transformer Engine / CUDA (megatron-core refuses them at
 ``finalize`` without: "apply_rope_fusion is not available. Please install TE >= 1.4.")."""
+
+
+def finalize_as_written(provider: Any) -> Any:
+    """``provider.finalize()`` as training runs it before it writes a ``run_config.yaml`` (it derives
+    fields such as ``per_block_parameters`` that the serializer reads). Without Transformer Engine the
+    kernel-fusion flags it validates (``CPU_UNAVAILABLE``) are off during finalize and put back as
+    Megatron-Bridge set them: the file describes the model for the GPU that will load it."""
+    import torch
+
+    te = sys.modules.get("transformer_engine")
+    if torch.cuda.is_available() and te is not None and getattr(te, "__file__", None):  # the real one
+        provider.finalize()
+        return provider
+    saved = {f: getattr(provider, f) for f in CPU_UNAVAILABLE if hasattr(provider, f)}
+    for f in saved:
+        setattr(provider, f, False)
+    provider.finalize()
+    for f, v in saved.items():
+        setattr(provider, f, v)
+    return provider
 
 
 def _cpu_provider(provider: Any, spec: Any = None) -> Any:
@@ -430,15 +460,7 @@ def write_run_config(ckpt: str | Path) -> Path:
         write_hf_config_dir(spec, tmp, engine="", dtype="float32")
         config = AutoConfig.from_pretrained(tmp, trust_remote_code=True)
         provider = AutoBridge.from_hf_config(config).to_megatron_provider(load_weights=False)
-    # finalize as training does before it writes run_config.yaml (it derives per_block_parameters); the
-    # kernel-fusion flags it validates need Transformer Engine here, so they are off for finalize and
-    # written back as Megatron-Bridge set them (the GPU that loads the checkpoint has Transformer Engine)
-    saved = {f: getattr(provider, f) for f in CPU_UNAVAILABLE if hasattr(provider, f)}
-    for f in saved:
-        setattr(provider, f, False)
-    provider.finalize()
-    for f, v in saved.items():
-        setattr(provider, f, v)
+    finalize_as_written(provider)
     model = _ConfigContainerBase._convert_value_to_dict(provider)
     run_config = {
         "model": model,

@@ -81,6 +81,8 @@ def recipe_config(inp: dict[str, Any], load_teacher_weights: bool = True) -> Any
     from megatron.bridge.recipes.common import _pretrain_common
     from megatron.bridge.training.post_training.distillation import ModelOptDistillConfig
 
+    from autocompress_nemo.models.bridge import finalize_as_written
+
     student = _student_provider(inp["student_ckpt"])
     parent = AutoBridge.from_hf_pretrained(inp["parent_hf"], trust_remote_code=True)
     teacher = parent.to_megatron_provider(load_weights=load_teacher_weights)
@@ -101,6 +103,7 @@ def recipe_config(inp: dict[str, Any], load_teacher_weights: bool = True) -> Any
         logit_kl_temperature=inp["temperature"],
     )
     model = convert_to_distillation_provider(student, teacher, kd)
+    finalize_as_written(model)  # as ConfigContainer.validate() does before training writes its run_config
 
     cfg = _pretrain_common()
     cfg.model = model
