@@ -33,9 +33,11 @@ class MethodDropped(Exception):
 
 
 def methods(cfg: DictConfig) -> list[str]:
-    """The main method, then the Minitron++ baseline when ``baseline=true`` (and not already main)."""
+    """The main method, then the registered baseline(s) when ``baseline=true`` (Minitron++; not twice)."""
+    from autocompress_nemo.stages.common import REGISTRY
+
     main = str(cfg.search.method)
-    return [main] + (["minitron_pp"] if cfg.baseline and main != "minitron_pp" else [])
+    return [main] + [m for m, obj in REGISTRY.items() if cfg.baseline and obj.baseline and m != main]
 
 
 class Walk:

@@ -381,10 +381,13 @@ def _targets_using(engines: list[str]) -> list[str]:
 def _check_search(c: dict, m: dict, t: dict) -> list[str]:
     s = c.get("search") or {}
     p: list[str] = []
-    if s.get("method") not in ("autocompress", "minitron_pp"):
-        p.append(f"search.method={s.get('method')!r} is unknown; use autocompress or minitron_pp")
+    from autocompress_nemo.stages.common import REGISTRY
+
+    if s.get("method") not in REGISTRY:
+        p.append(f"search.method={s.get('method')!r} is unknown; use {' or '.join(REGISTRY)}")
     stages = [str(x) for x in c.get("stages") or []]
-    if s.get("method") == "autocompress" and m.get("family") in ("qwen2", "qwen3") and "extract" in stages:
+    per_layer = s.get("method") in REGISTRY and REGISTRY[s["method"]].router  # per-layer widths
+    if per_layer and m.get("family") in ("qwen2", "qwen3") and "extract" in stages:
         # arch/convert.hf_config_from_spec: DeciLM block_configs carry no qkv bias / q-k norms
         p.append(
             f"model {m.get('name')} is {m.get('family')} (q/k/v biases or q/k norms): an AutoCompress student's "

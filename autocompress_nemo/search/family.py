@@ -100,8 +100,11 @@ def family_record(
     search: Any, method: str, first: bool, outcome: Any, read: dict[str, Any], steps: int
 ) -> dict[str, Any]:
     """``arch.json``'s ``family`` entry: this budget, its role, the supernet it read, its search cost."""
+    from autocompress_nemo.stages.common import method_object
+
     value = (list(search.get("budgets") or []) or [None])[0]
-    if method != "autocompress":
+    shares = method_object(method).shares_supernet
+    if not shares:
         role = "per budget: Minitron++ enumerates uniform candidates (no supernet)"
     elif first:
         role = "first: trains the supernet and its router"
@@ -112,7 +115,7 @@ def family_record(
         "first": first,
         "role": role,
         "router_steps": steps,
-        "supernet_trained": bool(search.train_weights) and first and method == "autocompress",
+        "supernet_trained": bool(search.train_weights) and first and shares,
         "supernet_read": bool(read.get("supernet_sha256")),
         **read,
         "search_tokens": int(getattr(outcome, "tokens", 0)),

@@ -19,17 +19,38 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Method:
-    """A compression method, registered once (:data:`REGISTRY`): its label in reports and whether a
-    further budget of a family trains its search on the first budget's supernet (``runner.py``)."""
+    """A compression method, registered once (:data:`REGISTRY`); everything that depends on the
+    method is one of its fields, so no stage asks "which method is this?".
+
+    ``router``: the search trains the differentiable router on the supernet (else it enumerates
+    uniform candidates, Minitron++); ``shares_supernet``: a further budget of a family trains its
+    router on the first budget's supernet (``runner.py``); ``settle_grows``: repair / grow may grow
+    the settled child toward the budget; ``guard_uniform_alternative``: the quality guard replaces a
+    child worse than the best uniform one (Minitron++'s child already is a uniform child: it only
+    records); ``baseline``: what ``baseline=true`` adds next to the main method."""
 
     name: str
     label: str
+    router: bool = False
     shares_supernet: bool = False
+    settle_grows: bool = False
+    guard_uniform_alternative: bool = False
+    baseline: bool = False
 
 
 REGISTRY: dict[str, Method] = {
     m.name: m
-    for m in (Method("autocompress", "AutoCompress", shares_supernet=True), Method("minitron_pp", "Minitron++"))
+    for m in (
+        Method(
+            "autocompress",
+            "AutoCompress",
+            router=True,
+            shares_supernet=True,
+            settle_grows=True,
+            guard_uniform_alternative=True,
+        ),
+        Method("minitron_pp", "Minitron++", baseline=True),
+    )
 }
 METHODS = {name: m.label for name, m in REGISTRY.items()}
 

@@ -17,6 +17,7 @@ from autocompress_nemo.search.family import family_record, family_steps, load_su
 from autocompress_nemo.stages.common import (
     METHODS,
     budgets,
+    method_object,
     budgets_measured,
     judge_batches,
     load_table,
@@ -105,6 +106,7 @@ def search_core(
     from autocompress_nemo.search.space import apply_choices, build_space
 
     cfg, s = ctx.cfg, ctx.cfg.search
+    meth = method_object(method)
     predictor = Predictor(load_table(ctx, table_path), cfg.target)
     budget, how = budgets(ctx, predictor, spec, validation)
     costs = _Costs(predictor, tuple(budget))
@@ -126,7 +128,7 @@ def search_core(
             + "); tighten target.budget (e.g. target.budget.constraints.0.value=0.6x) for a smaller student"
         )
     else:
-        if family and supernet is not None and method == "autocompress":
+        if family and supernet is not None and meth.shares_supernet:
             trained, read = load_supernet(supernet)
             start_sd = trained if trained is not None else sd
             steps, s = family_steps(s), frozen_router_settings(s, family_steps(s))
@@ -138,7 +140,7 @@ def search_core(
             return ctx.batch_at("train", step, bs, seq, seed_offset=17)
 
         shared = (model, spec, decisions, costs, budget, batch_at, ctx.forward, s)
-        if method == "autocompress":
+        if meth.router:
             ckpt = str(ckpt_dir / "router.pt")
             init = str(s.router_init)
             outcome = run_router_search(*shared, seed=int(cfg.seed), checkpoint=ckpt, log=ctx.say, router_init=init)
@@ -201,7 +203,7 @@ def search_core(
     }
     if family:
         rec["family"] = family_record(s, method, supernet is None, outcome, read, steps)
-    if method == "minitron_pp" and hasattr(outcome, "record"):  # Minitron++'s depth axis (search/minitron.py)
+    if hasattr(outcome, "record"):  # Minitron++'s depth axis (search/minitron.py)
         rec["minitron"] = outcome.record()
     art = SearchDir(out)
     write_json_atomic(art.arch, rec)
@@ -288,16 +290,17 @@ def settle_choices(
             temperature=float(s.kd_temperature),
         )
     traj = [r for r in getattr(outcome, "trajectory", []) if "step" in r]
-    tail = traj[-max(1, len(traj) // 10) :] if method == "autocompress" and traj else []
+    meth = method_object(method)
+    tail = traj[-max(1, len(traj) // 10) :] if meth.router and traj else []
     settler = Settler(
         spec,
         decisions,
         costs.predict,
         judge,
-        grow_threshold=float(s.grow_threshold) if method == "autocompress" and model is not None else None,
+        grow_threshold=float(s.grow_threshold) if meth.settle_grows and model is not None else None,
         guard_factor=float(s.guard_factor),
         uniform_pool=int(s.get("guard_uniform", 32)),
-        uniform_alternative=method == "autocompress",
+        uniform_alternative=meth.guard_uniform_alternative,
         router_kd=(sum(float(r["kd"]) for r in tail) / len(tail)) if tail else None,
         origin=list(outcome.choices) if tail else None,
         log=ctx.say,
