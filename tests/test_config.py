@@ -312,7 +312,7 @@ def test_engine_cannot_serve_block_kinds():
 def test_gpu_engine_on_cpu_and_unknown_schema_key():
     msg = _error(["+target=cpu_chat", "engine@target.engine=trtllm", "model=tiny_llama"])
     assert "trtllm runs on NVIDIA GPUs only" in msg
-    with pytest.raises(ConfigError, match="Key 'foo' not in 'ModelConfig'"):
+    with pytest.raises(ConfigError, match="model.foo=1: model has no setting 'foo'; its settings are name, family"):
         compose(["model.foo=1"])
 
 
