@@ -491,6 +491,7 @@ def test_the_docs_table_lists_every_case() -> None:
 # -- the table ----------------------------------------------------------------------------------------
 def _shown(err: str, tmp: Path) -> str:
     lines = [ln.strip() for ln in err.strip().splitlines() if ln.strip()]
+    lines = [ln for ln in lines if "Warning: " not in ln and not ln.startswith("warnings.warn(")]  # libraries
     lines = [ln.removeprefix("- ") for ln in lines if not ln.startswith("error: invalid configuration (")]
     text = " / ".join(lines).replace(str(tmp), "<tmp>").replace(str(ROOT), "<repo>")
     return text.replace("|", "\\|")

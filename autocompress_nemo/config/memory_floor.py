@@ -9,7 +9,9 @@ Two questions are answered from the config's shapes, in milliseconds, instead of
   fp32 (the distillation stages hold the teacher's too). Here ``b`` is the sequences one process runs
   at once (the stage's batch over the data-parallel ranks; 1 for stages that split batches into
   micro-batches), ``H`` the attention heads per tensor-parallel rank and ``s`` the sequence per
-  context-parallel rank. This is a floor, not an estimate: a stage needs more (activations saved for
+  context-parallel rank. On a GPU each rank holds at least ``1 / world`` of the weights (whatever the
+  sharding: tensor, pipeline, expert, FSDP) and its own activations; on CPU the host's RAM holds the
+  weights once and the activations of every local process. This is a floor, not an estimate: a stage needs more (activations saved for
   the backward pass, gradients, optimizer state), so a floor above the machine's memory is a certain
   failure (``DefaultCPUAllocator: can't allocate memory``) and is refused, naming the setting to lower
   and the largest value that clears the floor.
@@ -80,34 +82,35 @@ def _spec(m: dict[str, Any]) -> Any:
 
 
 def stage_floor(
-    params: int, heads: int, vocab: int, seq: int, batch: int, teacher: bool, attention_scores: bool
+    weights: float, heads: int, vocab: int, seq: int, batch: int, teacher: bool, attention_scores: bool, copies: int = 1
 ) -> tuple[float, str]:
-    """(bytes, what dominates) of a stage that runs ``batch`` sequences of ``seq`` tokens at once through
-    a model of ``params`` parameters with ``heads`` attention heads (see the module docstring)."""
-    weights = params * WEIGHT_BYTES * (2 if teacher else 1)
+    """(bytes, what dominates) of a stage holding ``weights`` bytes of weights whose ``copies`` processes
+    each run ``batch`` sequences of ``seq`` tokens at once with ``heads`` attention heads (see the
+    module docstring)."""
     scores = batch * heads * seq * seq * FP32 if attention_scores else 0
     logits = batch * seq * vocab * FP32 * (2 if teacher else 1)
+    per = f"{copies} processes x " if copies > 1 else ""
     if scores >= logits:
-        what = f"an attention score matrix ({batch} x {heads} heads x {seq:,}² x 4 bytes = {_gb(scores)})"
+        what = f"an attention score matrix ({per}{batch} x {heads} heads x {seq:,}² x 4 bytes = {_gb(copies * scores)})"
     else:
         what = (
-            f"the logits ({batch} x {seq:,} tokens x vocab {vocab:,} x 4 bytes"
+            f"the logits ({per}{batch} x {seq:,} tokens x vocab {vocab:,} x 4 bytes"
             + (" x 2 models" if teacher else "")
-            + f" = {_gb(logits)})"
+            + f" = {_gb(copies * logits)})"
         )
-    return weights + max(scores, logits), what
+    return weights + copies * max(scores, logits), what
 
 
 def _gb(n: float) -> str:
     if n >= 1e8:
         return f"{n / 1e9:,.1f} GB"
-    return f"{n / 1e6:,.1f} MB" if n >= 1e5 else f"{n / 1e3:,.1f} kB"
+    return f"{n / 1e6:,.1f} MB" if n >= 1e6 else f"{n / 1e3:,.1f} kB"
 
 
 def stage_memory_problems(c: dict[str, Any], machine: tuple[str, int] | None = None) -> list[str]:
     """One problem per sequence-length setting whose stages cannot fit this machine (module docstring)."""
     from autocompress_nemo.arch.counts import param_count
-    from autocompress_nemo.config.resolve import data_parallel_size
+    from autocompress_nemo.config.resolve import data_parallel_size, world_size
 
     cl = c.get("cluster") or {}
     if c.get("dry_run") or cl.get("kind") == "slurm":
@@ -124,9 +127,14 @@ def stage_memory_problems(c: dict[str, Any], machine: tuple[str, int] | None = N
     heads = max((getattr(b, "num_heads", 0) for b in spec.blocks if b.kind == "attention"), default=0)
     tp, cp = max(1, _int(cl.get("tp"), 1)), max(1, _int(cl.get("cp"), 1))
     dp = max(1, _int(data_parallel_size(cl), 1))
+    world = max(1, _int(world_size(cl), 1))
     heads_rank = -(-heads // tp)
     params = param_count(spec)
     unfused = kind == "CPU"
+    # the host's RAM holds every local process (the weights once at least, each process's activations);
+    # a GPU holds its rank's share of the weights (at least 1/world of them) and its own activations
+    copies = max(1, _int(cl.get("processes_per_node"), 1)) if kind == "CPU" else 1
+    share = 1.0 if kind == "CPU" else 1.0 / world
     stages = [str(s) for s in c.get("stages") or _STAGE_SHAPES]
     found: dict[str, tuple[list[str], float, str, str, int, bool]] = {}
     for stage in stages:
@@ -139,7 +147,8 @@ def stage_memory_problems(c: dict[str, Any], machine: tuple[str, int] | None = N
             continue
         b = 1 if micro else max(1, -(-batch // dp))
         s = -(-seq // cp)
-        need, what = stage_floor(params // tp, heads_rank, spec.vocab, s, b, teacher, unfused and heads_rank > 0)
+        weights = params * WEIGHT_BYTES * (2 if teacher else 1) * share
+        need, what = stage_floor(weights, heads_rank, spec.vocab, s, b, teacher, unfused and heads_rank > 0, copies)
         if need <= have:
             continue
         setting = f"{ssec}.{skey}"
@@ -151,7 +160,8 @@ def stage_memory_problems(c: dict[str, Any], machine: tuple[str, int] | None = N
     out = []
     for setting, (names, need, what, batch_key, b, teacher) in found.items():
         seq = _int((c.get(setting.split(".")[0]) or {}).get(setting.split(".")[1]))
-        fits = _largest_fitting_seq(params // tp, heads_rank, spec.vocab, b, teacher, unfused, have, cp)
+        weights = params * WEIGHT_BYTES * (2 if teacher else 1) * share
+        fits = _largest_fitting_seq(weights, heads_rank, spec.vocab, b, teacher, unfused, have, cp, copies)
         lower = f"lower {setting} (at most about {fits:,} fits)" if fits > 0 else f"lower {setting}"
         batch_hint = f" or {batch_key}" if b > 1 and not batch_key[-1].isdigit() else ""
         out.append(
@@ -164,13 +174,13 @@ def stage_memory_problems(c: dict[str, Any], machine: tuple[str, int] | None = N
 
 
 def _largest_fitting_seq(
-    params: int, heads: int, vocab: int, b: int, teacher: bool, unfused: bool, have: int, cp: int
+    weights: float, heads: int, vocab: int, b: int, teacher: bool, unfused: bool, have: int, cp: int, copies: int
 ) -> int:
     """The largest sequence length (a multiple of 64) whose floor fits ``have`` bytes."""
     lo, hi = 0, 1 << 24
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        need, _ = stage_floor(params, heads, vocab, -(-mid * 64 // cp), b, teacher, unfused and heads > 0)
+        need, _ = stage_floor(weights, heads, vocab, -(-mid * 64 // cp), b, teacher, unfused and heads > 0, copies)
         if need <= have:
             lo = mid
         else:
