@@ -73,6 +73,8 @@ def _scripts() -> dict[str, Script]:
 
 
 SCRIPTS: dict[str, Script] = _scripts()
+
+
 def argv_for(script: Script, argv: list[str]) -> list[str]:
     """The pipeline's command line for ``script`` called with ``argv`` (``argv[0]`` is the program).
 

@@ -185,8 +185,14 @@ class Run:
         if is_complete(final, h):
             self.say(f"[{final.name}] reused: artifact complete for the same inputs ({final})")
             self.note(
-                final.name, "reused", name=stage.name, method=method, budget=self.suffix.lstrip("@") or None,
-                key=h, seconds=0.0, artifact=str(final),
+                final.name,
+                "reused",
+                name=stage.name,
+                method=method,
+                budget=self.suffix.lstrip("@") or None,
+                key=h,
+                seconds=0.0,
+                artifact=str(final),
             )
             return final
         return None

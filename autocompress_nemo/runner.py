@@ -119,7 +119,9 @@ class Walk:
                 arts[s.name] = self.one(s, arts, self.run, self.ctx)
             for opt in (o for s in self.graph.values() for o in s.optional):  # validate, when complete
                 if opt not in arts and opt in self.graph and not self.graph[opt].per_method:
-                    arts[opt] = self.run.reuse(self.graph[opt], [a for a in self.resolve(self.graph[opt], arts, self.run).values() if a])
+                    arts[opt] = self.run.reuse(
+                        self.graph[opt], [a for a in self.resolve(self.graph[opt], arts, self.run).values() if a]
+                    )
             family = members(self.cfg)
             if not family:
                 ev, _ = self.budget(self.run, self.ctx, arts)
@@ -179,7 +181,9 @@ class Walk:
         for member in family:
             run_b, ctx_b = self.run.for_budget(member.cfg, member.suffix), Context(member.cfg, self.run.say)
             ctx_b._shared = self.ctx._shared  # the parent, the corpus and the process groups are the family's
-            self.run.say(f"[family] budget {member.value} ({'first: trains the supernet' if member.first else 'extra'})")
+            self.run.say(
+                f"[family] budget {member.value} ({'first: trains the supernet' if member.first else 'extra'})"
+            )
             try:
                 ev, made = self.budget(run_b, ctx_b, arts, None if member.first else extra)
             except ParentMeetsBudget as e:
@@ -189,7 +193,9 @@ class Walk:
                 self.run.note(f"budget{member.suffix}", "dropped", name="budget", why=f"nothing to compress: {e}"[:300])
                 continue
             if member.first:  # a further budget's search of a method that shares its supernet reads the first's
-                extra = {m: {"search": {"search@first": p}} for m, p in made.get("search", {}).items() if shares_supernet(m)}
+                extra = {
+                    m: {"search": {"search@first": p}} for m, p in made.get("search", {}).items() if shares_supernet(m)
+                }
             done.append(member)
             if ev is not None:
                 out["evaluations"][str(member.value)] = str(ev / "evaluation.json")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from autocompress_nemo.cli import SCRIPTS, VALIDATE_ARGS, argv_for
-from tests.cfg_utils import TINY_ROOFLINE, recorded, statuses, why
+from tests.cfg_utils import TINY_ROOFLINE, recorded, statuses
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT_SCRIPTS: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from autocompress_nemo.config.entry import compose
-from tests.cfg_utils import TINY_ROOFLINE, recorded, statuses, why
+from tests.cfg_utils import TINY_ROOFLINE, statuses, why
 
 FAMILY = [
     *TINY_ROOFLINE,

@@ -14,7 +14,7 @@ from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
 from autocompress_nemo.blocks import kind_of
 from autocompress_nemo.config.entry import compose
 from autocompress_nemo.config.validate import collect_problems
-from tests.cfg_utils import TINY_ROOFLINE, recorded, statuses, why
+from tests.cfg_utils import TINY_ROOFLINE, statuses
 from tests.own_model_utils import SMOLLM2_VOCAB, save_pretrained
 
 ROOFLINE = [a for a in TINY_ROOFLINE if not a.startswith("model=")]

@@ -55,8 +55,16 @@ def _model(spec: ArchSpec, sd: dict[str, torch.Tensor]) -> torch.nn.Module:
 
 def _cfg(tokens: int, **kw) -> SimpleNamespace:
     base = dict(
-        tokens=tokens, lr=3e-3, min_lr=3e-4, warmup_steps=2, batch_size=2, seq_len=16, checkpoint_every=4,
-        log_every=100, weight_decay=0.0, grad_clip=1.0,
+        tokens=tokens,
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup_steps=2,
+        batch_size=2,
+        seq_len=16,
+        checkpoint_every=4,
+        log_every=100,
+        weight_decay=0.0,
+        grad_clip=1.0,
     )
     return SimpleNamespace(**{**base, **kw})
 
@@ -97,8 +105,16 @@ def test_every_narrowed_layer_gets_closer_to_its_parent(kind, tmp_path) -> None:
     parent, student = _setup(spec)
     probe = [_batches(spec.vocab)(1000 + i) for i in range(2)]
     before = layer_errors(student, parent, forward_logits, probe)
-    res = train(student, local_objective(student, parent, forward_logits), _batches(spec.vocab), _cfg(STEPS[kind] * 32, lr=1e-3),
-                tmp_path, seed=0, optimizer="torch", name="reconstruct")
+    res = train(
+        student,
+        local_objective(student, parent, forward_logits),
+        _batches(spec.vocab),
+        _cfg(STEPS[kind] * 32, lr=1e-3),
+        tmp_path,
+        seed=0,
+        optimizer="torch",
+        name="reconstruct",
+    )
     after = layer_errors(student, parent, forward_logits, probe)
     assert res["final_loss"] < res["first_loss"], (res["first_loss"], res["final_loss"])
     narrowed = [i for i, e in enumerate(before) if e > 1e-6]
@@ -122,8 +138,15 @@ def test_losses_measure_the_update_not_the_residual() -> None:
 def test_a_killed_run_resumes_to_the_same_weights(tmp_path) -> None:
     spec = tiny_hetero_spec()
     ref_parent, ref = _setup(spec)
-    train(ref, local_objective(ref, ref_parent, forward_logits), _batches(spec.vocab), _cfg(8 * 32), tmp_path / "a",
-          seed=0, optimizer="torch")
+    train(
+        ref,
+        local_objective(ref, ref_parent, forward_logits),
+        _batches(spec.vocab),
+        _cfg(8 * 32),
+        tmp_path / "a",
+        seed=0,
+        optimizer="torch",
+    )
 
     parent, student = _setup(spec)
     data = _batches(spec.vocab)
@@ -134,11 +157,25 @@ def test_a_killed_run_resumes_to_the_same_weights(tmp_path) -> None:
         return data(step)
 
     with pytest.raises(KeyboardInterrupt):
-        train(student, local_objective(student, parent, forward_logits), dies_at_6, _cfg(8 * 32), tmp_path / "b",
-              seed=0, optimizer="torch")
+        train(
+            student,
+            local_objective(student, parent, forward_logits),
+            dies_at_6,
+            _cfg(8 * 32),
+            tmp_path / "b",
+            seed=0,
+            optimizer="torch",
+        )
     parent, student = _setup(spec)
-    res = train(student, local_objective(student, parent, forward_logits), data, _cfg(8 * 32), tmp_path / "b",
-                seed=0, optimizer="torch")
+    res = train(
+        student,
+        local_objective(student, parent, forward_logits),
+        data,
+        _cfg(8 * 32),
+        tmp_path / "b",
+        seed=0,
+        optimizer="torch",
+    )
     assert res["resumed_from_step"] == 4
     for (k, a), (_, b) in zip(ref.state_dict().items(), student.state_dict().items(), strict=True):
         if torch.is_tensor(a) and a.is_floating_point():
@@ -159,7 +196,9 @@ def test_the_split_of_the_recovery_tokens() -> None:
 
     from autocompress_nemo.stages.reconstruct import split_tokens
 
-    cfg = OmegaConf.create({"distill": {"tokens": 32768, "batch_size": 2, "seq_len": 256}, "reconstruct": {"fraction": 0.25}})
+    cfg = OmegaConf.create(
+        {"distill": {"tokens": 32768, "batch_size": 2, "seq_len": 256}, "reconstruct": {"fraction": 0.25}}
+    )
     assert split_tokens(cfg) == (8192, 24576)
     cfg.reconstruct.fraction = 0.0
     assert split_tokens(cfg) == (0, 32768)
@@ -180,8 +219,10 @@ def test_the_pipeline_runs_it_between_extract_and_distill(tmp_path) -> None:
     # (lr 1e-4: the tiny random parent's weights are ~0.02; the re-fit start is already close)
     out = run_pipeline(compose([*common, f"run_dir={tmp_path}/a", "reconstruct.fraction=0.5", "reconstruct.lr=1e-4"]))
     order = [r["stage"] for r in out["record"]]
-    assert order.index("extract_autocompress") < order.index("reconstruct_autocompress") < order.index(
-        "distill_autocompress"
+    assert (
+        order.index("extract_autocompress")
+        < order.index("reconstruct_autocompress")
+        < order.index("distill_autocompress")
     )
     assert statuses(out)["reconstruct_autocompress"] == "ran"
     rec = json.loads((tmp_path / "a" / "reconstruct_autocompress" / "reconstruct.json").read_text())

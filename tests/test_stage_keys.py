@@ -21,7 +21,17 @@ TINY = [
 CACHED = {"profile", "validate", "rank", "search", "extract", "reconstruct", "distill", "export", "evaluate"}
 # which stages read what, written out by hand (the declarations must agree)
 READERS = {
-    "cluster.ep=2": {"profile", "validate", "rank", "search", "extract", "reconstruct", "distill", "export", "evaluate"},
+    "cluster.ep=2": {
+        "profile",
+        "validate",
+        "rank",
+        "search",
+        "extract",
+        "reconstruct",
+        "distill",
+        "export",
+        "evaluate",
+    },
     "seed=7": {"validate", "rank", "search", "extract", "reconstruct", "distill", "export", "evaluate"},
     "data.seed=7": {"rank", "search", "extract", "reconstruct", "distill", "export", "evaluate"},
     "distill.tokens=4096": {"reconstruct", "distill"},  # the recovery budget: local + global
@@ -76,7 +86,10 @@ def test_the_pipeline_reruns_what_reads_a_changed_key(tmp_path, capsys) -> None:
 
     run()
     out = run("data.seed=7")
-    assert out == {"profile": "skipped", **dict.fromkeys(("rank", "search_autocompress", "extract_autocompress"), "ran")}
+    assert out == {
+        "profile": "skipped",
+        **dict.fromkeys(("rank", "search_autocompress", "extract_autocompress"), "ran"),
+    }
     out = run("data.seed=7")
     assert set(out.values()) == {"skipped"}
 

@@ -33,7 +33,6 @@ from autocompress_nemo.arch.counts import block_params
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MambaBlock, MlpBlock, MoeBlock
 
 
-
 def __getattr__(name: str) -> tuple[str, ...]:
     """``STAGES`` (every stage a user may name) and ``DISTRIBUTED_STAGES`` (those that run Megatron
     over all GPUs of the job; the others run one process), read from the stages' declarations."""
@@ -44,6 +43,7 @@ def __getattr__(name: str) -> tuple[str, ...]:
     if name == "DISTRIBUTED_STAGES":
         return tuple(s.name for s in graph.stages() if s.distributed)
     raise AttributeError(name)
+
 
 _LAYOUT_KEYS = ("nodes", "gpus_per_node", "tp", "pp", "cp", "ep", "etp", "sequence_parallel")
 

@@ -48,8 +48,12 @@ def family_rows(results: list[tuple[Any, dict[str, Any]]], methods: list[str]) -
 
 
 def extra_cost(rows: list[dict[str, Any]]) -> dict[str, float] | None:
-    """AutoCompress search tokens / seconds of the first budget and the mean over the further ones."""
-    ac = [r for r in rows if r["method"] == "autocompress" and r.get("search_tokens") is not None]
+    """Search tokens / seconds of the first budget and the mean over the further ones, for the method
+    whose further budgets share the first's supernet (AutoCompress)."""
+    from autocompress_nemo.stages.common import REGISTRY
+
+    shares = {m for m, obj in REGISTRY.items() if obj.shares_supernet}
+    ac = [r for r in rows if r["method"] in shares and r.get("search_tokens") is not None]
     first = [r for r in ac if r["first"]]
     extra = [r for r in ac if not r["first"]]
     if not first or not extra:

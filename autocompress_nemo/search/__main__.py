@@ -158,5 +158,6 @@ def main() -> None:
         return
     _hydra_main()
 
+
 if __name__ == "__main__":
     main()

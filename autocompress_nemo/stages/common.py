@@ -3,6 +3,7 @@ the KD judge's calibration batches, the search capabilities under the run's layo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,6 @@ from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.config.resolve import search_capabilities  # noqa: F401  (the stages' name for it)
 from autocompress_nemo.context import Context, read_json
 from autocompress_nemo.stages.layout import ValidateDir
-
-from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -59,6 +58,7 @@ def method_object(name: str) -> Method:
     if name not in REGISTRY:
         raise ValueError(f"search.method={name!r}: known methods are {', '.join(REGISTRY)}")
     return REGISTRY[name]
+
 
 BUDGET_READS: tuple[str, ...] = ("target.budget", "target.workload.batch")
 """What ``budgets`` reads (besides the parent's measured row in the validate artifact)."""

@@ -18,7 +18,6 @@ from autocompress_nemo.stages.layout import DistillDir, ExtractDir, RankDir
 from autocompress_nemo.utils.artifacts import write_json_atomic
 
 
-
 def train_batches(ctx: Context, d: Any) -> Callable[[int], torch.Tensor]:
     """The recovery's global batch at each step (``d``: the distill config): the same for every
     student of a run, so AutoCompress and Minitron++ (and ``bench/bench_quality.py``) see one text."""
@@ -28,7 +27,6 @@ def train_batches(ctx: Context, d: Any) -> Callable[[int], torch.Tensor]:
 
 def run(ctx: Context, out: Path, rank: RankDir, student: ExtractDir, ckpt_dir: Path) -> None:
     from autocompress_nemo.distill.recover import distill as run_distill
-
     from autocompress_nemo.stages.reconstruct import split_tokens
 
     local, global_tokens = split_tokens(ctx.cfg)
@@ -76,5 +74,7 @@ STAGE = Stage(
     distributed=True,
     resumable=True,
     script="the recovered student in <run_dir>/distill_<method>",
-    entry=lambda ctx, out, inp: run(ctx, out, RankDir(inp["rank"]), ExtractDir(inp["reconstruct|extract"]), inp.checkpoint),
+    entry=lambda ctx, out, inp: run(
+        ctx, out, RankDir(inp["rank"]), ExtractDir(inp["reconstruct|extract"]), inp.checkpoint
+    ),
 )

@@ -18,7 +18,6 @@ from autocompress_nemo.stages.layout import EvaluateDir, ExportDir, ProfileDir, 
 from autocompress_nemo.utils.artifacts import write_json_atomic
 
 
-
 def heldout_perplexity(
     ctx: Context, spec: ArchSpec, sd: dict[str, torch.Tensor], lm_eval: bool = True
 ) -> dict[str, Any]:

@@ -18,7 +18,6 @@ from autocompress_nemo.stages.layout import DistillDir, ExportDir
 from autocompress_nemo.utils.artifacts import write_json_atomic
 
 
-
 def _parity_tokens(ctx: Context) -> list[int]:
     """The fixed held-out sequence the export gate compares logits on."""
     return ctx.heldout_batches(1, int(ctx.cfg.evaluate.parity_tokens), 1)[0][0].tolist()

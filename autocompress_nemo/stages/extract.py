@@ -18,7 +18,6 @@ from autocompress_nemo.stages.layout import ExtractDir, RankDir, SearchDir
 from autocompress_nemo.utils.artifacts import write_json_atomic
 
 
-
 def run(ctx: Context, out: Path, rank: RankDir, search: SearchDir) -> None:
     from autocompress_nemo.extract.slice import slice_state_dict
 

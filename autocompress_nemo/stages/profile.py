@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from autocompress_nemo.context import Context
-from autocompress_nemo.stages.declare import Inputs, Stage
+from autocompress_nemo.stages.declare import Stage
 from autocompress_nemo.stages.layout import ProfileDir, ValidateDir
 
 

@@ -13,7 +13,6 @@ from autocompress_nemo.stages.layout import RankDir
 from autocompress_nemo.utils.artifacts import write_json_atomic
 
 
-
 def run(ctx: Context, out: Path) -> None:
     spec, sd, _ = ctx.parent
     s = ctx.cfg.search

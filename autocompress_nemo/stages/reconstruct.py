@@ -159,7 +159,9 @@ def run(ctx: Context, out: Path, rank: RankDir, student: ExtractDir, ckpt_dir: P
 
 STAGE = Stage(
     "reconstruct",
-    reads=reads(PARENT, LAYOUT, DATA, "reconstruct", *SPLIT_READS[1:], "distill.teacher_precision", "distill.log_every"),
+    reads=reads(
+        PARENT, LAYOUT, DATA, "reconstruct", *SPLIT_READS[1:], "distill.teacher_precision", "distill.log_every"
+    ),
     needs=("rank", "extract"),
     per_method=True,
     distributed=True,

@@ -11,7 +11,6 @@ from autocompress_nemo.stages.declare import Inputs, Stage
 from autocompress_nemo.stages.layout import DistillDir, EvaluateDir, ProfileDir, SearchDir, ValidateDir
 
 
-
 def run(ctx: Context, run_: Any, methods: list[str], validation: ValidateDir | None) -> Path:
     """``report.md`` / ``report.json`` and the plots in the run directory."""
     from autocompress_nemo.report import write_report

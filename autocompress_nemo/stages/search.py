@@ -17,17 +17,16 @@ from autocompress_nemo.search.family import family_record, family_steps, load_su
 from autocompress_nemo.stages.common import (
     METHODS,
     budgets,
-    method_object,
     budgets_measured,
     judge_batches,
     load_table,
     measured_metrics,
+    method_object,
     search_capabilities,
 )
 from autocompress_nemo.stages.declare import DATA, LAYOUT, PARENT, Inputs, Stage, reads
 from autocompress_nemo.stages.layout import ProfileDir, RankDir, SearchDir, ValidateDir
 from autocompress_nemo.utils.artifacts import write_json_atomic
-
 
 
 def run(
