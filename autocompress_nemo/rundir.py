@@ -147,12 +147,16 @@ def describe_os_error(e: BaseException, where: str | os.PathLike[str] | None = N
     exception (a distributed checkpoint's per-rank failures, a library's text) is found and named
     (:func:`find_disk_error`); ``where``: the path to name when the error carries none (the file or
     directory being written)."""
-    if not isinstance(e, OSError) or not e.errno:
+    err: OSError
+    if isinstance(e, OSError) and e.errno:
+        err = e
+    else:
         found = find_disk_error(e, where)
         if found is None and not isinstance(e, OSError):
             first = (str(e).strip().splitlines() or [""])[0]
             return f"{type(e).__name__}: {first}" + (f" (writing {where})" if where is not None else "")
-        e = found or e
+        err = found or e  # type: ignore[assignment]  # e is an OSError here
+    e = err
     code = e.errno or 0
     name = errno.errorcode.get(code, "")
     path = e.filename if e.filename is not None else where

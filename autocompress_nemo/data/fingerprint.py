@@ -81,9 +81,9 @@ def file_digests(files: list[Path], cache_file: Path | None = None) -> dict[str,
             hashed_at = time.time_ns()
             digest = sha256_of(path)
             after = stat_key(os.stat(path))
-            entry = {"stat": after, "sha256": digest, "hashed_at_ns": hashed_at if after == key else 0}
+            entry: dict[str, Any] = {"stat": after, "sha256": digest, "hashed_at_ns": hashed_at if after == key else 0}
         else:
-            entry = _MEMO.get(path) if _trusted(_MEMO.get(path), key) else disk[path]
+            entry = _MEMO[path] if _trusted(_MEMO.get(path), key) else disk[path]
         _MEMO[path] = entry
         if disk.get(path) != entry:
             disk[path] = entry
