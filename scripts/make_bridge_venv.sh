@@ -48,9 +48,9 @@ IMPORT_DEPS=(
 check() {
   PYTHONPATH="$ROOT" "$1" - <<'PY'
 from autocompress_nemo.models.bridge import import_bridge
-import megatron.bridge.training.model_load_save  # noqa: F401  (the checkpoint loader)
-from megatron.bridge import AutoBridge  # noqa: F401
 v = import_bridge()["versions"]
+import megatron.bridge.training.model_load_save  # noqa: F401,E402  (the checkpoint loader)
+from megatron.bridge import AutoBridge  # noqa: F401,E402
 print("[bridge] " + ", ".join(f"{k} {x}" for k, x in v.items()))
 PY
 }

@@ -55,11 +55,19 @@ def test_local_executor_runs_tiny_pipeline(tmp_path, capsys):
     assert any((run_dir / "nemo_run" / "experiments" / "autocompress").rglob("SUCCESS"))
 
 
-def test_local_executor_reports_a_failed_stage(tmp_path, capsys):
-    overrides = [*TINY_ROOFLINE, "stages=[extract]", "cluster=local"]  # extract without a search: refused
+def test_local_executor_reports_a_failed_stage(tmp_path, monkeypatch, capsys):
+    """A task that exits non-zero (here an interpreter that refuses to run) is a failed launch: exit 2,
+    naming the stage and where NeMo-Run keeps its logs."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'refusing to run' >&2\nexit 3\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr("sys.executable", str(fake))
+    overrides = [*TINY_ROOFLINE, "stages=[rank]", "cluster=local"]
     rc = launch_mod.main(["--backend", "nemo_run", *overrides, f"run_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
-    assert rc == 2 and "stage(s) extract did not succeed" in err, err
+    assert rc == 2 and "nemo_run local: stage(s) rank did not succeed" in err, err
+    log = next((tmp_path / "run" / "nemo_run").rglob("rank/0/stderr.log")).read_text()
+    assert "refusing to run" in log
 
 
 def test_slurm_executor_submits_to_fake_sbatch(tmp_path, monkeypatch):
