@@ -240,3 +240,34 @@ def test_the_pipeline_runs_it_between_extract_and_distill(tmp_path) -> None:
     man = json.loads((tmp_path / "b" / "distill_autocompress" / "manifest.json").read_text())
     assert "extract_autocompress" in man["inputs"] and "reconstruct_autocompress" not in man["inputs"]
     assert json.loads((tmp_path / "b" / "distill_autocompress" / "distill.json").read_text())["tokens"] == 4096
+
+
+def test_the_report_shows_the_recovery_path() -> None:
+    from autocompress_nemo.report.recovery_path import recovery_path_section
+
+    res = {
+        "methods": {
+            "autocompress": {
+                "label": "AutoCompress",
+                "refit": {"sliced_kd": 1.49, "refit_kd": 0.96, "tokens": 8192, "blocks": [{}]},
+                "reconstruct": {
+                    "tokens": 8192,
+                    "split": {"local": 8192, "global": 24576},
+                    "layer_nmse_before": [0.4, 0.2],
+                    "layer_nmse_after": [0.2, 0.1],
+                },
+            },
+            "minitron_pp": {"label": "Minitron++", "recovery_tokens": 32768},
+        },
+        "before_recovery": {"autocompress": {"heldout_ppl": 60.0}, "minitron_pp": {"heldout_ppl": 90.0}},
+        "after_local": {"autocompress": {"heldout_ppl": 30.0}},
+        "models": {
+            "autocompress": {"accuracy": {"heldout_ppl": 20.0}},
+            "minitron_pp": {"accuracy": {"heldout_ppl": 28.0}},
+        },
+    }
+    text = "\n".join(recovery_path_section(res))
+    ac = next(line for line in text.splitlines() if line.startswith("| AutoCompress"))
+    assert "30" in ac and "8,192 tok; layer error 0.300 -> 0.150" in ac and "24,576 tok" in ac, ac
+    mpp = next(line for line in text.splitlines() if line.startswith("| Minitron++"))
+    assert "reconstruct.fraction=0" in mpp and "32,768 tok" in mpp, mpp

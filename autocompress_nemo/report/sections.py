@@ -19,6 +19,7 @@ from autocompress_nemo.report.tables import (
     spec_of,
     table,
 )
+from autocompress_nemo.report.recovery_path import recovery_path_section
 from autocompress_nemo.report.timing import timing_section
 
 
@@ -448,6 +449,7 @@ def render_markdown(res: dict[str, Any]) -> str:
         ("Architecture checks before slicing", _selection(res)),
         ("Quality guard before slicing", _guard(res)),
         ("Starting weights", _refit(res)),
+        ("Recovery path", recovery_path_section(res)),
         ("Cost-model validation", _validation(res)),
         ("Timing against the parent", timing_section(res)),
         ("Outputs and what consumes them", outputs_section(res)),

@@ -104,6 +104,7 @@ def run(
     students: dict[str, Path],
     extracted: dict[str, Path] | None = None,
     exports: dict[str, Path] | None = None,
+    reconstructed: dict[str, Path] | None = None,
 ) -> None:
     """Accuracy on held-out text and costs measured in the target's engine, against the budgets,
     next to the predictions — for the parent and every student, measured in one interleaved session.
@@ -139,6 +140,14 @@ def run(
         spec, sd = load_weights(d)
         ctx.say(f"[evaluate] {name} before recovery: held-out perplexity")
         results["before_recovery"][name] = heldout_perplexity(ctx, spec, sd, lm_eval=False)
+    # after the local reconstruction, before global distillation (when the stage ran)
+    results["after_local"] = {}
+    for name, d in (reconstructed or {}).items():
+        if d in students.values():
+            continue
+        spec, sd = load_weights(d)
+        ctx.say(f"[evaluate] {name} after local reconstruction: held-out perplexity")
+        results["after_local"][name] = heldout_perplexity(ctx, spec, sd, lm_eval=False)
     from autocompress_nemo.pipeline import is_rank0
 
     if not is_rank0():  # engine timings run once (rank 0): concurrent copies would disturb each other
@@ -329,6 +338,7 @@ def _entry(ctx: Context, out: Path, inp: Inputs) -> None:
         students,
         inp.by_method.get("extract", {}),
         inp.by_method.get("export", {}),
+        inp.by_method.get("reconstruct", {}),
     )
 
 

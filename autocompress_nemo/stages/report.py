@@ -73,6 +73,7 @@ def collect_results(
         "methods": {},
         "stages_wall_s": {},
         "before_recovery": ev.get("before_recovery", {}),
+        "after_local": ev.get("after_local", {}),
     }
     for m in methods:
         found = SearchDir(d / f"search_{m}{suffix}")
@@ -89,6 +90,9 @@ def collect_results(
             extracted = d / f"extract_{m}{suffix}" / "arch.json"
             if extracted.is_file() and (refit := read_json(extracted).get("refit")):
                 res["methods"][m]["refit"] = refit
+            local = d / f"reconstruct_{m}{suffix}" / "reconstruct.json"
+            if local.is_file():
+                res["methods"][m]["reconstruct"] = {k: v for k, v in read_json(local).items() if k != "history"}
     if validation is not None and validation.validation.is_file():
         res["validation"] = read_json(validation.validation)["summary"]
     from autocompress_nemo.report.outputs import collect_outputs
