@@ -30,7 +30,8 @@ CACHE_VERSION = 2
 RACY_NS = 2_000_000_000
 """A digest taken less than this after the file's last change (ctime) is not reused: a rewrite in
 the same timestamp tick would leave the stat unchanged."""
-_CHUNK = 1 << 20
+HASH_THREADS = min(8, os.cpu_count() or 1)
+"""Files hashed at once when several changed."""
 _MEMO: dict[str, dict[str, Any]] = {}
 
 
@@ -67,33 +68,49 @@ def _trusted(entry: Any, key: list[int]) -> str | None:
     return str(entry["sha256"])
 
 
+def _hash_entry(path: str, key: list[int]) -> dict[str, Any]:
+    """A fresh cache entry of ``path`` (stat before ``key``): its digest, the stat after hashing and when
+    the hash was taken (0 when the file changed while it was read: never trusted)."""
+    hashed_at = time.time_ns()
+    digest = sha256_of(path)
+    after = stat_key(os.stat(path))
+    return {"stat": after, "sha256": digest, "hashed_at_ns": hashed_at if after == key else 0}
+
+
 def file_digests(files: list[Path], cache_file: Path | None = None) -> dict[str, str]:
     """``{absolute path: sha256}`` of ``files``, re-hashing every file whose inode, ctime, size or
-    mtime changed (see the module docstring)."""
+    mtime changed (see the module docstring); the files to hash are hashed ``HASH_THREADS`` at a time
+    (hashlib releases the GIL while it reads and hashes)."""
     disk = _load(cache_file)
-    out: dict[str, str] = {}
-    changed = False
+    entries: dict[str, dict[str, Any]] = {}
+    todo: dict[str, list[int]] = {}
     for f in files:
         path = str(Path(f).resolve())
         key = stat_key(os.stat(path))
-        digest = _trusted(_MEMO.get(path), key) or _trusted(disk.get(path), key)
-        if digest is None:
-            hashed_at = time.time_ns()
-            digest = sha256_of(path)
-            after = stat_key(os.stat(path))
-            entry: dict[str, Any] = {"stat": after, "sha256": digest, "hashed_at_ns": hashed_at if after == key else 0}
+        if _trusted(_MEMO.get(path), key):
+            entries[path] = _MEMO[path]
+        elif _trusted(disk.get(path), key):
+            entries[path] = disk[path]
         else:
-            entry = _MEMO[path] if _trusted(_MEMO.get(path), key) else disk[path]
+            todo[path] = key
+    if len(todo) > 1 and HASH_THREADS > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(HASH_THREADS, len(todo))) as pool:
+            entries.update(zip(todo, pool.map(_hash_entry, todo, todo.values()), strict=True))
+    else:
+        entries.update({path: _hash_entry(path, key) for path, key in todo.items()})
+    changed = False
+    for path, entry in entries.items():
         _MEMO[path] = entry
         if disk.get(path) != entry:
             disk[path] = entry
             changed = True
-        out[path] = digest
     if changed and cache_file is not None:
         # the cache is an optimisation; a read-only run directory is reported elsewhere
         with contextlib.suppress(OSError):
             write_json_atomic(cache_file, {"version": CACHE_VERSION, "files": disk})
-    return out
+    return {path: str(entry["sha256"]) for path, entry in entries.items()}
 
 
 def data_fingerprint(data: Any, cache_file: Path | None = None) -> str:
