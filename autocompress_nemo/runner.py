@@ -49,6 +49,7 @@ class Walk:
         self.graph = graph.by_name()
         self.methods = methods(cfg)
         self.shared: dict[str, Any] = {}
+        self.per_budget: dict[str, Path | None] = {}
 
     def stages(self, *, per_method: bool = False, per_budget: bool = False, cached: bool = True) -> list[Stage]:
         return [
@@ -130,6 +131,7 @@ class Walk:
             else:
                 out.update(self.family(family, arts))
             self.shared.setdefault("members", [])
+            arts.update(self.per_budget)
             for s in self.stages(cached=False):
                 if all(n in self.plan for n in s.required):
                     path = self.one(s, arts, self.run, self.ctx)
@@ -168,6 +170,7 @@ class Walk:
         if by_method:
             for s in self.stages(per_budget=True):
                 last = self.one(s, shared_arts, run, ctx, by_method=by_method)
+                self.per_budget.setdefault(s.name, last)  # the first budget's: what the report needs
         return last, by_method
 
     def family(self, family: list, arts: dict[str, Path | None]) -> dict[str, Any]:

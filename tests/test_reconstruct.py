@@ -246,7 +246,8 @@ def test_the_report_shows_the_recovery_path() -> None:
     from autocompress_nemo.report.recovery_path import recovery_path_section
 
     res = {
-        "methods": {
+        "models": {
+            "parent": {"accuracy": {"heldout_ppl": 11.2}},
             "autocompress": {
                 "label": "AutoCompress",
                 "refit": {"sliced_kd": 1.49, "refit_kd": 0.96, "tokens": 8192, "blocks": [{}]},
@@ -256,15 +257,12 @@ def test_the_report_shows_the_recovery_path() -> None:
                     "layer_nmse_before": [0.4, 0.2],
                     "layer_nmse_after": [0.2, 0.1],
                 },
+                "accuracy": {"heldout_ppl": 20.0},
             },
-            "minitron_pp": {"label": "Minitron++", "recovery_tokens": 32768},
+            "minitron_pp": {"label": "Minitron++", "recovery_tokens": 32768, "accuracy": {"heldout_ppl": 28.0}},
         },
         "before_recovery": {"autocompress": {"heldout_ppl": 60.0}, "minitron_pp": {"heldout_ppl": 90.0}},
         "after_local": {"autocompress": {"heldout_ppl": 30.0}},
-        "models": {
-            "autocompress": {"accuracy": {"heldout_ppl": 20.0}},
-            "minitron_pp": {"accuracy": {"heldout_ppl": 28.0}},
-        },
     }
     text = "\n".join(recovery_path_section(res))
     ac = next(line for line in text.splitlines() if line.startswith("| AutoCompress"))

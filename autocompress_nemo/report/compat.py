@@ -78,6 +78,8 @@ def _model(entry: dict[str, Any], method: dict[str, Any], validation: dict[str, 
         e.setdefault("quality_guard", arch["quality_guard"])
     if method.get("refit"):  # stages/extract.refit: the student's starting weights, least-squares re-fit
         e.setdefault("refit", method["refit"])
+    if method.get("reconstruct"):  # stages/reconstruct.py: the blockwise local distillation's record
+        e.setdefault("reconstruct", method["reconstruct"])
     if (arch.get("minitron") or {}).get("variant"):
         e.setdefault("selection_variant", arch["minitron"]["variant"])
     return e

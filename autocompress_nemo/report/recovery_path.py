@@ -12,13 +12,15 @@ from autocompress_nemo.report.tables import DISPLAY, fmt, table
 
 def recovery_path_section(res: dict[str, Any]) -> list[str]:
     rows = []
-    for m, rec in (res.get("methods") or {}).items():
+    for m, rec in (res.get("models") or {}).items():
+        if m == "parent":
+            continue
         label = DISPLAY.get(m, rec.get("label", m))
         refit = rec.get("refit") or {}
         local = rec.get("reconstruct") or {}
         start = (res.get("before_recovery") or {}).get(m) or {}
         after_local = (res.get("after_local") or {}).get(m) or {}
-        final = ((res.get("models") or {}).get(m) or {}).get("accuracy") or {}
+        final = rec.get("accuracy") or {}
         split = local.get("split") or {}
         lnb, lna = local.get("layer_nmse_before") or [], local.get("layer_nmse_after") or []
         rows.append(
