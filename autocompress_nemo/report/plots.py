@@ -195,7 +195,9 @@ def decided_budget(res: dict[str, Any], metric: str) -> tuple[str, float | None,
     return "configured", (None if b is None else float(b)), "the configured budget"
 
 
-def accuracy_points(res: dict[str, Any]) -> tuple[str, str, float | None, str, list[tuple[str, str, float, float, str]]]:
+def accuracy_points(
+    res: dict[str, Any],
+) -> tuple[str, str, float | None, str, list[tuple[str, str, float, float, str]]]:
     """What ``accuracy_vs_cost.png`` draws: ``(metric, axis, budget, where, points)`` with the budget
     PASS / FAIL was decided on (``decided_budget``) and one ``(key, label, x, perplexity, how)`` per
     model — ``x`` the measured ratio to the parent (the parent at 1) when ``axis`` is ``ratio``, else
