@@ -28,6 +28,7 @@ group chosen twice (:func:`duplicate_choices`), a Slurm cluster run outside Slur
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import sys
@@ -230,6 +231,7 @@ def hydra_entry(task_fn: Callable[[DictConfig], Any], lock_run_dir: bool = False
     @functools.wraps(task_fn)
     def main() -> Any:
         children_leave_ctrl_c_to_the_parent()
+        note_ctrl_c()
         try:
             return _main()
         except KeyboardInterrupt:  # Ctrl-C before or between stages: the same line, no traceback
@@ -313,11 +315,40 @@ from their checkpoints."""
 
 def interrupted() -> None:
     """Ctrl-C: one line (rank 0 only), exit status 130 (128 + SIGINT), no traceback."""
+    import signal
+
     from autocompress_nemo.rundir import launch_rank
 
+    with contextlib.suppress(ValueError):  # a second Ctrl-C must not turn the exit into a traceback
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if launch_rank() == 0:
         print(f"\nautocompress: {INTERRUPTED}", file=sys.stderr, flush=True)
     sys.exit(130)
+
+
+_CTRL_C: list[float] = []
+"""When this process received SIGINT (``time.monotonic()``), by :func:`note_ctrl_c`'s handler."""
+
+
+def note_ctrl_c() -> None:
+    """SIGINT raises ``KeyboardInterrupt`` as Python's own handler does, and is noted: a library that
+    turns the interrupt into another error (an ``ImportError`` from a C extension interrupted while it
+    initialized, a checkpoint writer's failure) still ends as :func:`interrupted`. Main thread only, and
+    only over Python's default handler."""
+    import signal
+    import threading
+    import time
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        _CTRL_C.append(time.monotonic())
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
 
 
 _CHILDREN_QUIET = False
@@ -370,11 +401,15 @@ def run_task(task_fn: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
     except KeyboardInterrupt:
         interrupted()
     except Exception as e:  # noqa: BLE001 - re-raised unless it is a full disk
+        if _CTRL_C and not os.environ.get("AUTOCOMPRESS_DEBUG"):
+            interrupted()  # Ctrl-C that a library turned into another error
         if os.environ.get("AUTOCOMPRESS_DEBUG") or not disk_error(e, str(cfg.run_dir)):
             raise
         print(f"autocompress: error: {describe_os_error(e, str(cfg.run_dir))}", file=sys.stderr, flush=True)
         sys.exit(2)
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if _CTRL_C and not isinstance(e, SystemExit | GeneratorExit) and not os.environ.get("AUTOCOMPRESS_DEBUG"):
+            interrupted()
         if (
             isinstance(e, SystemExit | GeneratorExit)
             or os.environ.get("AUTOCOMPRESS_DEBUG")
