@@ -227,7 +227,8 @@ def _runtime_fit(engine: Engine, results: list[Measurement], base: Measurement) 
     An engine whose runtime is read from its process's resident set (vLLM on CPU:
     ``workers/vllm_worker.py``) holds more of it for more weights (its CPU linear layers keep
     repacked copies), so there it is fitted over the profiling models as ``output = a + b x weights``
-    (least squares; ``b`` clamped at 0): ``output_bytes = a``, ``runtime_per_weight_byte = b``."""
+    (least squares) when the weights explain it (R^2 >= 0.8, ``b >= 0``), else as the median over the
+    profiling models: ``output_bytes = a``, ``runtime_per_weight_byte = b``."""
     out: dict[str, Any] = {"output_bytes": base.memory.get("output", 0.0)}
     pts = [(m.memory.get("weights", 0.0), m.memory.get("output", 0.0)) for m in results]
     if engine.name not in ("vllm", "trtllm") or len(pts) < 3 or not any(o for _, o in pts):
@@ -238,13 +239,16 @@ def _runtime_fit(engine: Engine, results: list[Measurement], base: Measurement) 
     if float(w.max() - w.min()) <= 0.0:
         return out
     b, a = np.polyfit(w, o, 1)
-    if b < 0:
-        b, a = 0.0, float(np.median(o))
     resid = o - (a + b * w)
+    spread = float(((o - o.mean()) ** 2).sum())
+    r2 = 1.0 - float((resid**2).sum()) / spread if spread > 0 else 0.0
+    if b < 0 or r2 < 0.8:  # the weights do not explain it (SmolLM2 in vLLM: 878-1019 MiB, not by size)
+        b, a = 0.0, float(np.median(o))
+        resid = o - a
     out.update(
         output_bytes=float(a),
         runtime_per_weight_byte=float(b),
-        runtime_fit={"models": len(pts), "max_abs_residual_bytes": float(np.abs(resid).max())},
+        runtime_fit={"models": len(pts), "r2": r2, "max_abs_residual_bytes": float(np.abs(resid).max())},
     )
     return out
 
