@@ -75,10 +75,18 @@ class Walk:
             if not stage.per_method and self.graph[opt].per_method:
                 continue
             if opt not in arts and opt in self.graph:
-                o = self.graph[opt]
-                arts[opt] = run.reuse(o, [d for d in self.resolve(o, arts, run).values() if d is not None])
+                arts[opt] = self.reuse(self.graph[opt], arts, run)
             dirs[opt] = arts.get(opt)
         return dirs
+
+    def reuse(self, stage: Stage, arts: dict[str, Path | None], run: Run) -> Path | None:
+        """An optional input that does not run now: its artifact when complete for the same inputs
+        (from an earlier invocation), else ``None`` (also when its own inputs are not at hand)."""
+        try:
+            ins = self.resolve(stage, arts, run)
+        except ValueError:
+            return None
+        return run.reuse(stage, [d for d in ins.values() if d is not None])
 
     def one(
         self,
@@ -118,11 +126,9 @@ class Walk:
         try:
             for s in self.stages():
                 arts[s.name] = self.one(s, arts, self.run, self.ctx)
-            for opt in (o for s in self.graph.values() for o in s.optional):  # validate, when complete
+            for opt in (o for n in self.plan for o in self.graph[n].optional):  # validate, when complete
                 if opt not in arts and opt in self.graph and not self.graph[opt].per_method:
-                    arts[opt] = self.run.reuse(
-                        self.graph[opt], [a for a in self.resolve(self.graph[opt], arts, self.run).values() if a]
-                    )
+                    arts[opt] = self.reuse(self.graph[opt], arts, self.run)
             family = members(self.cfg)
             if not family:
                 ev, _ = self.budget(self.run, self.ctx, arts)

@@ -132,3 +132,12 @@ def test_rank0_only_stage_runs_once_and_every_rank_sees_it(tmp_path) -> None:
     out = spawn(_stage_on_rank, 2, str(tmp_path / "run"))
     assert [o["calls"] for o in out] == [[0], []]
     assert all(o["written"] == "done" for o in out)
+
+
+def test_a_stage_alone_runs_without_the_optional_inputs_it_cannot_reuse(tmp_path) -> None:
+    """``stages=[rank]`` on an empty run directory: rank runs; validate (an optional input of later
+    stages) is neither run nor demanded (it failed with "its input profile did not run" before)."""
+    from autocompress_nemo.search.__main__ import run_pipeline
+
+    out = run_pipeline(compose([*TINY_ROOFLINE, "stages=[rank]", f"run_dir={tmp_path}/run"]))
+    assert statuses(out) == {"rank": "ran"}
