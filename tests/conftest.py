@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import warnings
 
 import pytest
@@ -10,6 +12,9 @@ import torch
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+# profiles measured by one test session are shared within it, never with the user's own cache
+# (~/.cache/autocompress-nemo/profiles) or with another session; child processes inherit it
+os.environ.setdefault("ACN_PROFILE_CACHE", tempfile.mkdtemp(prefix="acn-profiles-"))
 
 
 @pytest.fixture(scope="session")

@@ -264,7 +264,7 @@ def test_a_budget_the_parent_already_meets_stops_cleanly(tmp_path, capsys) -> No
         pipeline._task(cfg)
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert "autocompress: nothing to compress: the parent A4h2kv F192" in out, out
+    assert "autocompress: nothing to compress: the parent 4 x [A4h2kv F192]" in out, out
     assert "already meets every budget (decode_ms " in out and "tighten target.budget" in out
     assert statuses(recorded(run_dir)).get("search_autocompress") == "failed", out  # stopped before training
     assert "search step" not in out

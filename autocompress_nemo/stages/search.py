@@ -119,7 +119,7 @@ def search_core(
     model: torch.nn.Module | None = None
     family = bool(list(s.get("budgets") or []))
     steps, read, start_sd = int(s.steps), {}, sd
-    if verdict == "parent":  # distilling the parent into itself would only copy it: stop (README)
+    if verdict == "parent":  # distilling the parent into itself would only copy it: stop (docs/errors.md)
         pc = costs.predict(spec)
         raise ParentMeetsBudget(
             f"the parent {describe(spec)} already meets every budget ("
