@@ -51,12 +51,14 @@ class Script:
     def upstream_line(self, stages: str | None = None) -> str:
         """What the script runs before its own stage (each reused when complete, computed otherwise)."""
         chosen = (stages or self.stage_list()).strip("[]").split(",")
-        before = [s for s in graph.closure(chosen) if s != self.stage and graph.by_name()[s].cached]
+        run = [s for s in graph.closure(chosen) if graph.by_name()[s].cached]
+        at = run.index(self.stage) if self.stage in run else len(run)
+        before, rest = run[:at], run[at:] or [self.stage]
         if not before:
-            return f"{self.name}: runs {self.stage} only"
+            return f"{self.name}: runs {', '.join(rest)}" + (" only" if len(rest) == 1 else "")
         return (
             f"{self.name}: runs {', '.join(before)} first (each reused when its artifact is complete for the same "
-            f"inputs, computed otherwise), then {self.stage}"
+            f"inputs, computed otherwise), then {', '.join(rest)}"
         )
 
 

@@ -117,3 +117,15 @@ def test_standalone_profile_and_rank_are_what_the_pipeline_reuses(tmp_path, caps
 
     out = run_pipeline(compose([*common, "stages=[profile,validate,rank]"]))
     assert statuses(out) == dict.fromkeys(("profile", "validate", "rank"), "skipped")
+
+
+def test_a_stage_script_says_what_it_runs_first() -> None:
+    """``autocompress-export`` on an empty run directory never starts the pipeline silently: its first
+    line names the stages it runs before its own (read from the graph), each reused when complete."""
+    line = SCRIPTS["export"].upstream_line()
+    assert line.startswith(
+        "autocompress-export: runs profile, validate, rank, search, extract, reconstruct, distill first"
+    )
+    assert line.endswith("then export") and "reused when its artifact is complete" in line
+    assert SCRIPTS["rank"].upstream_line() == "autocompress-rank: runs rank only"
+    assert SCRIPTS["profile"].upstream_line("[profile,validate]") == "autocompress-profile: runs profile, validate"
