@@ -219,20 +219,14 @@ def distill(
     cfg: Any,
     out_dir: str | Path,
     seed: int,
-    *,
-    optimizer: str = "auto",
-    micro_batch_size: int | None = None,
-    log: Callable[[str], None] | None = None,
-    name: str = "distill",
-    init_from: str | Path | None = None,
-    evaluate: Callable[[torch.nn.Module], dict[str, float]] | None = None,
-    eval_every: int = 0,
-    should_stop: Callable[[list[dict[str, Any]]], str | None] | None = None,
+    **trainer: Any,
 ) -> dict[str, Any]:
     """Recover ``student`` from ``teacher`` for ``cfg.tokens`` tokens; resumable from ``out_dir``.
     ``teacher=None``: train ``student`` as a language model (next-token cross entropy) instead.
     The loop is :func:`train`'s; this builds the objective (KD on logits, optionally plus the
-    hidden-state loss; or LM cross entropy) and passes everything else through."""
+    hidden-state loss; or LM cross entropy) and passes everything else (``trainer``: optimizer,
+    micro_batch_size, log, name — ``distill`` by default —, init_from, evaluate, eval_every,
+    should_stop) through."""
     temperature = float(opt_field(cfg, "temperature", 1.0))
     w_hidden = float(opt_field(cfg, "intermediate_weight", 0.0))
     lm = teacher is None
@@ -272,22 +266,7 @@ def distill(
             return loss, {"kd": float(kd.detach()), "hidden": hid}
 
         objective = Objective("kd", kd_step, {}, setup, teardown)
-    result = train(
-        student,
-        objective,
-        batch_at,
-        cfg,
-        out_dir,
-        seed,
-        optimizer=optimizer,
-        micro_batch_size=micro_batch_size,
-        log=log,
-        name=name,
-        init_from=init_from,
-        evaluate=evaluate,
-        eval_every=eval_every,
-        should_stop=should_stop,
-    )
+    result = train(student, objective, batch_at, cfg, out_dir, seed, **{"name": "distill", **trainer})
     result.update(temperature=temperature, intermediate_weight=w_hidden, loss_kind="lm" if lm else "kd")
     return result
 

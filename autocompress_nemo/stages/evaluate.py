@@ -132,22 +132,19 @@ def run(
             "accuracy": acc,
             "predicted": numbers(predictor.predict(spec)),
         }
-    # the architectures alone: extracted students before any recovery (held-out loss only)
-    results["before_recovery"] = {}
-    for name, d in (extracted or {}).items():
-        if d in students.values():
-            continue
-        spec, sd = load_weights(d)
-        ctx.say(f"[evaluate] {name} before recovery: held-out perplexity")
-        results["before_recovery"][name] = heldout_perplexity(ctx, spec, sd, lm_eval=False)
-    # after the local reconstruction, before global distillation (when the stage ran)
-    results["after_local"] = {}
-    for name, d in (reconstructed or {}).items():
-        if d in students.values():
-            continue
-        spec, sd = load_weights(d)
-        ctx.say(f"[evaluate] {name} after local reconstruction: held-out perplexity")
-        results["after_local"][name] = heldout_perplexity(ctx, spec, sd, lm_eval=False)
+    # the students on their way (held-out loss only): extracted (the architecture alone, before any
+    # recovery) and, when the stage ran, after the local reconstruction, before global distillation
+    for key, what, dirs in (
+        ("before_recovery", "before recovery", extracted),
+        ("after_local", "after local reconstruction", reconstructed),
+    ):
+        results[key] = {}
+        for name, d in (dirs or {}).items():
+            if d in students.values():
+                continue
+            spec, sd = load_weights(d)
+            ctx.say(f"[evaluate] {name} {what}: held-out perplexity")
+            results[key][name] = heldout_perplexity(ctx, spec, sd, lm_eval=False)
     from autocompress_nemo.pipeline import is_rank0
 
     if not is_rank0():  # engine timings run once (rank 0): concurrent copies would disturb each other
