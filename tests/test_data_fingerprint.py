@@ -62,7 +62,7 @@ def test_a_same_size_rewrite_with_its_mtime_restored_is_hashed_again(tmp_path) -
 
 def test_cp_p_of_a_new_version_over_the_file_is_hashed_again(tmp_path) -> None:
     if shutil.which("cp") is None:
-        pytest.skip("no cp")
+        pytest.skip("the cp command is not on PATH (the test copies with cp -p as a user does)")
     corpus, cache = _corpus(tmp_path), tmp_path / "data_hashes.json"
     a, new = corpus / "a.txt", tmp_path / "a_new.txt"
     new.write_text((corpus / "a.txt").read_text().replace("first", "fixed"))
