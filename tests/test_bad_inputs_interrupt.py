@@ -46,6 +46,10 @@ def _start(tmp_path, command: list[str], *extra: str) -> subprocess.Popen:
         cwd=tmp_path,
         env=dict(os.environ, HYDRA_FULL_ERROR="0", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT)),
         start_new_session=True,
+        # as a terminal starts it: SIGINT at its default. A CI runner that starts the tests as a background
+        # job has SIGINT ignored, and an ignored signal is inherited across exec (Python then installs
+        # no KeyboardInterrupt handler, rightly: ``nohup``/``&`` mean "do not stop on Ctrl-C")
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     os.close(out[0])
     os.close(err[0])
