@@ -168,7 +168,7 @@ def _token_cache_full(tmp: Path, mp: pytest.MonkeyPatch) -> tuple[int, str]:
 
 
 def _checkpoint_full(tmp: Path, mp: pytest.MonkeyPatch) -> tuple[int, str]:
-    """A full disk under extract's Megatron checkpoint write (``models/dist_checkpoint.save_checkpoint``,
+    """A full disk under export's Megatron checkpoint write (``models/dist_checkpoint.save_checkpoint``,
     the real one): Megatron's writer logs the ENOSPC and raises torch's ``CheckpointException`` (a
     ``BaseException``) holding only "error: <class 'OSError'>"; meanwhile the log file's writes fail
     too (logging's "--- Logging error ---" traceback at every message)."""
@@ -186,7 +186,7 @@ def _checkpoint_full(tmp: Path, mp: pytest.MonkeyPatch) -> tuple[int, str]:
     from tests.conftest import tiny_uniform_spec
 
     run = tmp / "run"
-    out = run / "extract_autocompress.tmp-1" / "megatron"
+    out = run / "export_autocompress.tmp-1" / "megatron"
 
     def full(*a, **k):  # noqa: ANN002, ANN003
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -212,10 +212,10 @@ def _checkpoint_full(tmp: Path, mp: pytest.MonkeyPatch) -> tuple[int, str]:
     root = logging.getLogger()
     root.addHandler(handler)
 
-    def extract(cfg):  # noqa: ANN001
+    def export(cfg):  # noqa: ANN001
         one_line_log_file_errors()
         for i in range(5):
-            logging.getLogger("extract").warning("slicing the student, part %d", i)
+            logging.getLogger("export").warning("writing the student, part %d", i)
         init_distributed(tp=1, seed=0)
         save_checkpoint(build_model(tiny_uniform_spec(), init_seed=0, impl="local"), tiny_uniform_spec(), out)
 
@@ -223,7 +223,7 @@ def _checkpoint_full(tmp: Path, mp: pytest.MonkeyPatch) -> tuple[int, str]:
     level = megatron_log.level
     megatron_log.setLevel(logging.CRITICAL)  # its own "Local worker 0 encountered an error" line aside
     try:
-        return _exit_code(lambda: run_task(extract, OmegaConf.create({"run_dir": str(run)})))
+        return _exit_code(lambda: run_task(export, OmegaConf.create({"run_dir": str(run)})))
     finally:
         root.removeHandler(handler)
         megatron_log.setLevel(level)
@@ -385,7 +385,7 @@ CASES: list[Case] = [
         "distill.init_from that is not a checkpoint of this project",
         "distillation",
         cli(lambda t: [f"distill.init_from={_checkpoint_dir(t)}"]),
-        ["ckpt has no spec.json, so it is not a checkpoint of this project's extract / distill stages"],
+        ["ckpt has no spec.json, so it is not a checkpoint of this project's export stage"],
     ),
     Case(
         "launcher: --render-only --out <an existing file>",
@@ -427,7 +427,7 @@ CASES: list[Case] = [
         forbidden=["(path unknown)", "left behind"],
     ),
     Case(
-        "a full disk inside extract's Megatron checkpoint (and the log file)",
+        "a full disk inside export's Megatron checkpoint (and the log file)",
         "disk",
         _checkpoint_full,
         [

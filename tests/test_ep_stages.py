@@ -202,14 +202,19 @@ def _stages(rank: int, world: int, out_dir: str) -> dict:
         finally:
             del ctx.batch_at
         r = read_json(d / "distill.json")
-        # the stage's Megatron-LM checkpoint (every rank's shards in rank 0's directory), read back
+        # the export stage's Megatron-LM checkpoint of it (written collectively under this layout: every
+        # rank's shards in rank 0's directory), read back
         from autocompress_nemo.models.builder import build_model
         from autocompress_nemo.models.dist_checkpoint import load_checkpoint, read_spec
         from autocompress_nemo.models.hybrid.state_dict import megatron_to_hf
+        from autocompress_nemo.stages.export import _steps, write_megatron
+        from autocompress_nemo.stages.layout import DistillDir, ExportDir
 
-        cspec = read_spec(d / "megatron")
+        ex = ExportDir(Path(out_dir) / "run" / f"export_{name}")
+        write_megatron(ctx, *load_weights(d), ex, _steps(DistillDir(d)))
+        cspec = read_spec(ex.megatron)
         fresh = build_model(cspec, init_seed=99)
-        it = load_checkpoint(fresh, d / "megatron")
+        it = load_checkpoint(fresh, ex.megatron)
         return {
             "megatron": (it, megatron_to_hf(cspec, fresh)),
             "loss": [h["loss"] for h in r["history"]],

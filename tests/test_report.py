@@ -284,7 +284,7 @@ def test_report_lists_every_output_with_the_command_that_reads_it(tmp_path: Path
     run = tmp_path / "runs" / "x"
     (run / "export_autocompress" / "hf").mkdir(parents=True)
     (run / "export_autocompress" / "s.gguf").write_bytes(b"GGUF")
-    ck = run / "distill_autocompress" / "megatron"
+    ck = run / "export_autocompress" / "megatron"
     ck.mkdir(parents=True)
     (ck / "latest_checkpointed_iteration.txt").write_text("64")
     rows = collect_outputs(run, ["autocompress", "minitron_pp"])

@@ -386,7 +386,7 @@ def init_from_problems(c: dict[str, Any]) -> list[str]:
     if missing:
         return [
             f"distill.init_from={given}: {path} has no {' and no '.join(missing)}, so it is not a checkpoint of "
-            "this project's extract / distill stages; give such a directory (<run_dir>/distill_*/megatron), or unset it"
+            "this project's export stage; give such a directory (<run_dir>/export_*/megatron), or unset it"
         ]
     try:
         spec = json.loads((path / SPEC).read_text())

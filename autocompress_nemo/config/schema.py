@@ -250,7 +250,7 @@ class DistillConfig:
     """Log to Weights & Biases when set."""
     init_from: str = ""
     """A Megatron-LM distributed checkpoint directory (``latest_checkpointed_iteration.txt``, written
-    by this project's extract / distill stages, at any TP size) whose weights the student starts
+    by this project's export stage, ``<run_dir>/export_<method>/megatron``, at any TP size) whose weights the student starts
     from instead of the extracted ones; its ``spec.json`` must be the student's architecture."""
 
 

@@ -113,7 +113,7 @@ def _serving_row(m: str, hf: Path, spec: Any, parity: dict[str, Any], engine: st
 
 def collect_outputs(run_dir: Path, methods: list[str]) -> list[dict[str, str]]:
     """One row per output file or directory of each method's student that exists under ``run_dir``."""
-    from autocompress_nemo.stages.layout import MEGATRON_CKPT, ExportDir
+    from autocompress_nemo.stages.layout import ExportDir
 
     rows: list[dict[str, str]] = []
     for m in methods:
@@ -167,34 +167,32 @@ def collect_outputs(run_dir: Path, methods: list[str]) -> list[dict[str, str]]:
                 _serving_row(m, hf, spec, parity, "vllm", "vLLM", f"vllm serve {hf} --trust-remote-code"),
                 _serving_row(m, hf, spec, parity, "trtllm", "TensorRT-LLM", f"trtllm-serve {hf} --trust_remote_code"),
             ]
-        for stage in ("distill", "extract"):
-            ck = run_dir / f"{stage}_{m}" / MEGATRON_CKPT
-            if (ck / "latest_checkpointed_iteration.txt").is_file():
-                rows.append(
-                    {
-                        "method": m,
-                        "output": str(ck),
-                        "format": "Megatron dist checkpoint (torch_dist)",
-                        "consumer": "Megatron-LM / Megatron-Bridge",
-                        "command": f"--load {ck} --use-dist-ckpt --ckpt-format torch_dist --finetune --no-load-optim "
-                        f"--no-load-rng + the arguments in {ck / 'megatron_args.json'}",
-                        "checked_here": "loaded back with megatron.core on CPU at TP=1/2 "
-                        "(tests/test_dist_checkpoint.py); no Megatron-LM launch. Megatron-Bridge: "
-                        + _bridge_checked(ck),
-                    }
-                )
-                rows.append(
-                    {
-                        "method": m,
-                        "output": str(ck),
-                        "format": "Megatron dist checkpoint (torch_dist)",
-                        "consumer": "this project",
-                        "command": f"python -m autocompress_nemo.distill distill.init_from={ck}  "
-                        f"(or python -m autocompress_nemo.models.dist_checkpoint load {ck})",
-                        "checked_here": "yes (tests/test_dist_checkpoint.py)",
-                    }
-                )
-                break  # the distilled student's checkpoint when there is one, else the extracted one
+        ck = ex.megatron
+        if (ck / "latest_checkpointed_iteration.txt").is_file():
+            rows.append(
+                {
+                    "method": m,
+                    "output": str(ck),
+                    "format": "Megatron dist checkpoint (torch_dist)",
+                    "consumer": "Megatron-LM / Megatron-Bridge",
+                    "command": f"--load {ck} --use-dist-ckpt --ckpt-format torch_dist --finetune --no-load-optim "
+                    f"--no-load-rng + the arguments in {ck / 'megatron_args.json'}",
+                    "checked_here": "loaded back with megatron.core on CPU at TP=1/2 "
+                    "(tests/test_dist_checkpoint.py); no Megatron-LM launch. Megatron-Bridge: "
+                    + _bridge_checked(ck),
+                }
+            )
+            rows.append(
+                {
+                    "method": m,
+                    "output": str(ck),
+                    "format": "Megatron dist checkpoint (torch_dist)",
+                    "consumer": "this project",
+                    "command": f"python -m autocompress_nemo.distill distill.init_from={ck}  "
+                    f"(or python -m autocompress_nemo.models.dist_checkpoint load {ck})",
+                    "checked_here": "yes (tests/test_dist_checkpoint.py)",
+                }
+            )
     return rows
 
 

@@ -1,7 +1,7 @@
 """distill_<method>: recovery distillation of the extracted student from the sorted parent (every
 model family); resumes from its checkpoint (``<run_dir>/distill_<method>.ckpt``), or starts from a
-Megatron-LM distributed checkpoint (``distill.init_from``). Writes the distilled student as weights
-and as a Megatron-LM distributed checkpoint (``DistillDir.megatron``)."""
+Megatron-LM distributed checkpoint (``distill.init_from``). Writes the distilled student once, as
+weights, with ``distill.json`` (the export stage writes the Megatron-LM checkpoint, GGUF and HF)."""
 
 from __future__ import annotations
 
@@ -58,10 +58,6 @@ def run(ctx: Context, out: Path, rank: RankDir, student: ExtractDir, ckpt_dir: P
         init_from=init_from,
     )
     save_weights(out, cspec, ctx.to_hf(cspec, model))
-    from autocompress_nemo.models.dist_checkpoint import save_checkpoint
-
-    ckpt = save_checkpoint(model, cspec, DistillDir(out).megatron, iteration=int(result["steps"]))
-    ctx.say(f"[distill] Megatron-LM checkpoint (torch_dist) -> {ckpt}")
     result.update(local_tokens=local, recovery_tokens=local + int(result["tokens"]))
     write_json_atomic(DistillDir(out).record, result)
 

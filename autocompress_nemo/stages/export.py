@@ -1,7 +1,8 @@
 """export_<method>: the student in the engine's format — GGUF for llama.cpp (``llama`` / ``deci`` for
 dense students, ``nemotron_h`` / ``nemotron_h_moe`` for hybrids), gated by its logits' parity with
 the project's student on held-out tokens — plus a Hugging Face directory (DeciLM
-``block_configs`` / Nemotron-H Puzzle when heterogeneous) and a Megatron checkpoint."""
+``block_configs`` / Nemotron-H Puzzle when heterogeneous) and a Megatron-LM distributed checkpoint:
+the stages before keep one weights file each, and every other format is written here, once."""
 
 from __future__ import annotations
 
@@ -159,8 +160,24 @@ def run(ctx: Context, out: Path, student: DistillDir) -> None:
                 path.parent.rmdir()
     elif str(ctx.cfg.target.engine.name) in ("vllm", "trtllm"):
         export_engine_parity(ctx, spec, sd, art)
-    model = ctx.model(spec, sd)
-    torch.save({"arch_spec": spec.to_dict(), "megatron_state_dict": model.state_dict()}, art.megatron)
+    ckpt = write_megatron(ctx, spec, sd, art, _steps(student))
+    ctx.say(f"[export] Megatron-LM checkpoint (torch_dist) -> {ckpt}")
+
+
+def _steps(student: DistillDir) -> int:
+    """The recovery's optimizer steps (the checkpoint's iteration): 0 for a student that was not distilled."""
+    import json
+
+    return int(json.loads(student.record.read_text()).get("steps", 0)) if student.record.is_file() else 0
+
+
+def write_megatron(ctx: Context, spec: ArchSpec, sd: dict[str, torch.Tensor], art: ExportDir, iteration: int) -> Path:
+    """The student as a Megatron-LM distributed checkpoint (torch_dist), the one Megatron-LM,
+    Megatron-Bridge and ``distill.init_from`` load. Collective: every rank writes its shards under the
+    run's parallel layout, into rank 0's directory."""
+    from autocompress_nemo.models.dist_checkpoint import save_checkpoint
+
+    return save_checkpoint(ctx.model(spec, sd), spec, art.megatron, iteration=iteration)
 
 
 STAGE = Stage(

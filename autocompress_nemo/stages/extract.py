@@ -1,6 +1,6 @@
 """extract_<method>: the chosen architecture sliced from the sorted **parent** weights (every model
 family), checked against the child the search judged (same KD on the same batches) before any
-training, written as weights (``ExtractDir``) and a Hugging Face directory."""
+training, written once, as weights (``ExtractDir``): the other formats are the export stage's."""
 
 from __future__ import annotations
 
@@ -40,10 +40,6 @@ def run(ctx: Context, out: Path, rank: RankDir, search: SearchDir) -> None:
     art = ExtractDir(out)
     save_weights(out, child, child_sd)
     write_json_atomic(art.arch, rec)
-    ctx.export_hf(child, child_sd, art.hf)
-    from autocompress_nemo.models.dist_checkpoint import save_checkpoint
-
-    save_checkpoint(ctx.model(child, child_sd), child, art.megatron)  # collective: every rank
     ctx.say(
         f"[extract] {describe(child)}: {param_count(child):,} parameters "
         f"({param_count(child) / param_count(spec):.1%} of the parent)"

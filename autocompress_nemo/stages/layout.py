@@ -98,14 +98,6 @@ class ExtractDir(Weights):
     def arch(self) -> Path:
         return self.dir / "arch.json"
 
-    @property
-    def megatron(self) -> Path:
-        """The student as a Megatron-LM distributed checkpoint (``models.dist_checkpoint``)."""
-        return self.dir / MEGATRON_CKPT
-
-    @property
-    def hf(self) -> Path:
-        return self.dir / "hf"
 
 
 @dataclass(frozen=True)
@@ -113,11 +105,6 @@ class DistillDir(Weights):
     @property
     def record(self) -> Path:
         return self.dir / "distill.json"
-
-    @property
-    def megatron(self) -> Path:
-        """The distilled student as a Megatron-LM distributed checkpoint (``models.dist_checkpoint``)."""
-        return self.dir / MEGATRON_CKPT
 
 
 @dataclass(frozen=True)
@@ -145,7 +132,9 @@ class ExportDir:
 
     @property
     def megatron(self) -> Path:
-        return self.dir / "megatron_model.pt"
+        """The student as a Megatron-LM distributed checkpoint (``models.dist_checkpoint``): one of the
+        export formats, like the GGUF and the Hugging Face directory (a stage keeps its weights once)."""
+        return self.dir / MEGATRON_CKPT
 
 
 @dataclass(frozen=True)
