@@ -28,6 +28,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from autocompress_nemo.rundir import clean_leftovers, launch_rank, locked, make_dir
+from autocompress_nemo.utils import work
 from autocompress_nemo.utils.artifacts import (
     artifact,
     hash_obj,
@@ -37,6 +38,7 @@ from autocompress_nemo.utils.artifacts import (
     verify_or_explain,
     write_json_atomic,
 )
+from autocompress_nemo.utils.memory import StagePeak
 
 log = logging.getLogger("autocompress")
 
@@ -241,19 +243,23 @@ class Run:
             why = problems or ([f"config changed ({m.get('config_hash')} -> {h})"] if m else ["no manifest"])
             self.say(f"[{name}] recomputing: " + "; ".join(why))
         self.say(f"[{name}] running")
-        t0 = time.time()
+        t0, flops0 = time.time(), work.taken()
         try:
-            if is_rank0():
-                with artifact(final, stage=name, config_hash=h, inputs={p.name: str(p) for p in inputs}) as tmp:
-                    fn(tmp)
-            elif not rank0_only:  # other ranks compute too (collectives) but write into a scratch directory
-                with tempfile.TemporaryDirectory(prefix=f"{name}-rank") as scratch:
-                    fn(Path(scratch))
-            barrier()
+            with StagePeak() as peak:
+                if is_rank0():
+                    with artifact(final, stage=name, config_hash=h, inputs={p.name: str(p) for p in inputs}) as tmp:
+                        fn(tmp)
+                elif not rank0_only:  # other ranks compute too (collectives) but write into a scratch directory
+                    with tempfile.TemporaryDirectory(prefix=f"{name}-rank") as scratch:
+                        fn(Path(scratch))
+                barrier()
         except BaseException as e:
             self.note(name, "failed", seconds=time.time() - t0, why=f"{type(e).__name__}: {e}"[:300], **row)
             raise
         self.wall[name] = time.time() - t0
+        row.update(peak.fields())
+        if work.taken() > flops0:  # what the stage counted (``utils/work.py``): its FLOP bound's numerator
+            row["flops"] = work.taken() - flops0
         self.note(name, "ran", seconds=self.wall[name], **row, **({"why": "; ".join(why)} if why else {}))
         self.say(f"[{name}] done in {self.wall[name]:.1f} s -> {final}")
         return final

@@ -38,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from autocompress_nemo.data import fingerprint as fp  # noqa: E402
 from autocompress_nemo.data.corpus import corpus_files  # noqa: E402
 
-
 REPEATS = 3
 
 

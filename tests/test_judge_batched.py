@@ -53,6 +53,8 @@ def test_grouped_children_get_the_loss_of_their_own_forward() -> None:
     counts = [tuple(map(int, ln.split("]")[0].split()[-1].split("/"))) for ln in lines]
     assert counts and counts[-1] == (len(children), len(children))
     assert all(d <= t for d, t in counts), lines
+    # the elapsed time is this call's (a batched first report past 1 printed seconds since the epoch)
+    assert all(float(ln.split("(")[1].split(" s,")[0]) < 3600 for ln in lines), lines
     one.close()
     many.close()
 

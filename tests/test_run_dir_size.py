@@ -36,8 +36,16 @@ def test_each_stage_keeps_its_weights_once_and_exports_hold_the_formats(tmp_path
             f"run_dir={run}",
         ]
     )
-    out = statuses(run_pipeline(cfg))
+    res = run_pipeline(cfg)
+    out = statuses(res)
     assert set(out.values()) == {"ran"}, out
+    # the record says what each stage held and (the compute stages) what arithmetic it did:
+    # bench/bench_pipeline.py sets those FLOPs against the machine's matmul rate
+    rows = {r["stage"]: r for r in res["record"]}
+    assert all(0.05 < r["peak_rss_gb"] < 64 for r in rows.values()), rows
+    for stage in ("rank", "reconstruct_autocompress", "distill_autocompress"):
+        assert rows[stage]["flops"] > 0, rows[stage]
+    assert "flops" not in rows["export_autocompress"]
     for stage in ("rank", "extract_autocompress", "reconstruct_autocompress", "distill_autocompress"):
         files = _weight_files(run / stage)
         assert [p.name for p in files] == ["model.safetensors"], (stage, files)

@@ -45,3 +45,14 @@ def state_elements(spec: ArchSpec, conv_extra: int = 0) -> int:
 def ssm_state_bytes_per_sequence(spec: ArchSpec, dtype_bytes: float) -> float:
     """Mamba state per sequence, constant in context length: ``state_elements(spec) * bytes``."""
     return state_elements(spec) * dtype_bytes
+
+
+def forward_flops_per_token(spec: ArchSpec, seq: int, head: bool = True, layers: bool = True) -> float:
+    """FLOPs (2 x multiply-adds) per token of one forward at sequence length ``seq``: every weight a
+    token touches once (MoE: its top-k experts; the embedding lookup never) plus the attention scores
+    and values over ``seq`` positions (the full square, as the unfused CPU attention computes it).
+    ``head``: the LM head's ``h x V``; ``layers``: the decoder blocks'. A backward costs about twice
+    its forward (``3x`` for forward + backward with weight gradients)."""
+    blocks = sum(block_params(b, spec.hidden, active=True) for b in spec.blocks) if layers else 0
+    attn = sum(2 * seq * b.num_heads * b.head_dim for b in spec.blocks if getattr(b, "num_heads", 0)) if layers else 0
+    return 2.0 * float(blocks + attn + (spec.vocab * spec.hidden if head else 0))

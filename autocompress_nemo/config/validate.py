@@ -16,12 +16,12 @@ from autocompress_nemo.config import resolve
 from autocompress_nemo.config.family import check_budgets
 
 
-
 def _stages() -> tuple[str, ...]:
     """The stages ``stages=[...]`` may name, read from their declarations (``stages/graph.py``)."""
     from autocompress_nemo.stages.graph import selectable
 
     return selectable()
+
 
 SOURCE_KINDS = ("gguf", "hf", "package", "pretrained", "random", "none")
 BLOCK_KINDS = ("attention", "mlp", "moe", "mamba")

@@ -58,6 +58,7 @@ from autocompress_nemo.distill.kd import hidden_state_loss, kd_loss, lm_loss
 from autocompress_nemo.distill.monitor import Monitor
 from autocompress_nemo.distill.optim import Parallel, build_optimizer, opt_field
 from autocompress_nemo.models.dist_checkpoint import unwrap
+from autocompress_nemo.utils import work
 from autocompress_nemo.utils.artifacts import write_json_atomic
 
 Forward = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
@@ -291,6 +292,7 @@ def train(
     evaluate: Callable[[torch.nn.Module], dict[str, float]] | None = None,
     eval_every: int = 0,
     should_stop: Callable[[list[dict[str, Any]]], str | None] | None = None,
+    flops_per_token: float = 0.0,
 ) -> dict[str, Any]:
     """The one training loop: ``student``'s trainable parameters (``requires_grad``) optimized on
     ``objective.loss`` for ``cfg.tokens`` tokens; resumable from ``out_dir``.
@@ -305,6 +307,9 @@ def train(
     ``evaluate``: called with the model every ``eval_every`` steps (and after the last); its dict is
     recorded as ``row["eval"]`` (plus ``tokens``). ``should_stop``: called with every eval so far;
     a string ends the run after that step (recorded as ``row["stopped"]``, checkpointed).
+    ``flops_per_token``: the step's arithmetic per token (teacher forward + student forward and
+    backward, ``arch.counts.forward_flops_per_token``), counted for this rank's rows in ``utils.work``
+    (the stage's FLOP bound in ``record.json``).
 
     Writes ``<out_dir>/checkpoints``, ``<out_dir>/tensorboard`` and (rank 0)
     ``<out_dir>/distill_summary.json``. Returns: steps, tokens, tokens_this_run,
@@ -387,6 +392,7 @@ def train(
                 raise FloatingPointError(f"{name} step {step}: loss is {loss_mean}; lower distill.lr")
             n_tok = int(x_BT.numel())
             tokens_run += n_tok
+            work.add(flops_per_token * n_tok / par.dp_size)
             row = {
                 "step": step,
                 "loss": loss_mean,

@@ -50,11 +50,11 @@ Progress = Callable[[int, int], None]
 def progress_lines(log: Callable[[str], None], label: str, what: str, min_total: int = 4) -> Progress:
     """A ``(done, total)`` callback logging ``[label done/total] what`` with the time left at every quarter
     (and the last) of a call of at least ``min_total`` items; the count never passes the total."""
-    state = {"t0": 0.0}
+    import time
+
+    state = {"t0": time.time()}  # (a batched judge's first report may already be past 1)
 
     def report(done: int, total: int) -> None:
-        import time
-
         if done <= 1:
             state["t0"] = time.time()
         if total < min_total or done > total or (done % max(1, total // 4) and done != total):

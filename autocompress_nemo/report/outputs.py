@@ -178,8 +178,7 @@ def collect_outputs(run_dir: Path, methods: list[str]) -> list[dict[str, str]]:
                     "command": f"--load {ck} --use-dist-ckpt --ckpt-format torch_dist --finetune --no-load-optim "
                     f"--no-load-rng + the arguments in {ck / 'megatron_args.json'}",
                     "checked_here": "loaded back with megatron.core on CPU at TP=1/2 "
-                    "(tests/test_dist_checkpoint.py); no Megatron-LM launch. Megatron-Bridge: "
-                    + _bridge_checked(ck),
+                    "(tests/test_dist_checkpoint.py); no Megatron-LM launch. Megatron-Bridge: " + _bridge_checked(ck),
                 }
             )
             rows.append(

@@ -9,6 +9,7 @@ from autocompress_nemo.report.family import family_section
 from autocompress_nemo.report.outputs import outputs_section
 from autocompress_nemo.report.quality_curve import quality_curve_section
 from autocompress_nemo.report.quantization import quantization_section
+from autocompress_nemo.report.recovery_path import recovery_path_section
 from autocompress_nemo.report.tables import (
     COST_METRICS,
     DISPLAY,
@@ -19,7 +20,6 @@ from autocompress_nemo.report.tables import (
     spec_of,
     table,
 )
-from autocompress_nemo.report.recovery_path import recovery_path_section
 from autocompress_nemo.report.timing import timing_section
 
 

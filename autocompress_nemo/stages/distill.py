@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from autocompress_nemo.arch.counts import forward_flops_per_token
 from autocompress_nemo.context import Context, load_weights, save_weights
 from autocompress_nemo.stages.declare import DATA, LAYOUT, PARENT, Stage, reads
 from autocompress_nemo.stages.layout import DistillDir, ExtractDir, RankDir
@@ -56,6 +57,9 @@ def run(ctx: Context, out: Path, rank: RankDir, student: ExtractDir, ckpt_dir: P
         int(ctx.cfg.seed),
         log=ctx.say,  # resumed / set aside: on the run's output, with the stage lines
         init_from=init_from,
+        # the teacher's forward, the student's forward and backward (``utils.work``: the FLOP bound)
+        flops_per_token=forward_flops_per_token(pspec, int(d.seq_len))
+        + 3 * forward_flops_per_token(cspec, int(d.seq_len)),
     )
     save_weights(out, cspec, ctx.to_hf(cspec, model))
     result.update(local_tokens=local, recovery_tokens=local + int(result["tokens"]))

@@ -99,7 +99,6 @@ class ExtractDir(Weights):
         return self.dir / "arch.json"
 
 
-
 @dataclass(frozen=True)
 class DistillDir(Weights):
     @property

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from autocompress_nemo.arch.counts import forward_flops_per_token
 from autocompress_nemo.context import Context, save_weights
 from autocompress_nemo.rank.importance import collect_importance
 from autocompress_nemo.rank.reorder import apply_permutations, permutations_from_scores, sorted_importance
 from autocompress_nemo.stages.declare import DATA, LAYOUT, PARENT, Stage, reads
 from autocompress_nemo.stages.layout import RankDir
+from autocompress_nemo.utils import work
 from autocompress_nemo.utils.artifacts import write_json_atomic
 
 
@@ -21,6 +23,8 @@ def run(ctx: Context, out: Path) -> None:
     n_batches = max(1, int(s.calib_sequences) // int(s.batch_size))
     batches = [ctx.batch_at("calib", i, int(s.batch_size), int(s.seq_len)) for i in range(n_batches)]
     imp = collect_importance(model, spec, batches, ctx.forward, log=ctx.say)
+    # what ranking needs: the parent's layers forward once over the calibration tokens (no LM head)
+    work.add(forward_flops_per_token(spec, int(s.seq_len), head=False) * imp.tokens)
     perms = permutations_from_scores(spec, imp, sort_hidden=bool(s.search_hidden))
     write_json_atomic(art.scores, imp.to_dict())
     write_json_atomic(art.sorted_scores, sorted_importance(spec, imp, perms).to_dict())

@@ -90,10 +90,13 @@ def train_only_changed(parent: Any, model: Any) -> int:
     return len(changed)
 
 
-def reconstruct(ctx: Context, parent: Any, model: Any, tokens: int, ckpt_dir: Path) -> dict[str, Any]:
+def reconstruct(
+    ctx: Context, parent: Any, model: Any, tokens: int, ckpt_dir: Path, flops_per_token: float = 0.0
+) -> dict[str, Any]:
     """Train ``model``'s layers on the local objective for ``tokens`` tokens (resumable from
     ``ckpt_dir``); the record: tokens, per-layer error before / after on fixed batches, losses,
-    tokens per second. Used by the stage and by ``bench/bench_quality.py``."""
+    tokens per second. Used by the stage and by ``bench/bench_quality.py``. ``flops_per_token``:
+    the trainer's count (:func:`local_flops_per_token`)."""
     from autocompress_nemo.distill.local import layer_errors, local_objective
     from autocompress_nemo.distill.recover import teacher_precision, train
 
@@ -115,6 +118,7 @@ def reconstruct(ctx: Context, parent: Any, model: Any, tokens: int, ckpt_dir: Pa
         int(cfg.seed),
         log=ctx.say,
         name="reconstruct",
+        flops_per_token=flops_per_token,
     )
     model.eval()
     for p in model.parameters():
@@ -138,6 +142,14 @@ def reconstruct(ctx: Context, parent: Any, model: Any, tokens: int, ckpt_dir: Pa
     }
 
 
+def local_flops_per_token(parent: Any, student: Any, seq: int) -> float:
+    """A local step's arithmetic per token: the parent's layers forward (their inputs and outputs), the
+    student's layers forward and backward; no LM head on either side, no teacher logits."""
+    from autocompress_nemo.arch.counts import forward_flops_per_token
+
+    return forward_flops_per_token(parent, seq, head=False) + 3 * forward_flops_per_token(student, seq, head=False)
+
+
 def run(ctx: Context, out: Path, rank: RankDir, student: ExtractDir, ckpt_dir: Path) -> None:
     from autocompress_nemo.distill.local import layer_problem
 
@@ -151,7 +163,8 @@ def run(ctx: Context, out: Path, rank: RankDir, student: ExtractDir, ckpt_dir: P
         save_weights(out, cspec, csd)
         write_json_atomic(out / RECORD, {"tokens": 0, "skipped": why, "split": {"local": 0, "global": rest}})
         return
-    record = reconstruct(ctx, parent, model, local, ckpt_dir)
+    flops = local_flops_per_token(pspec, cspec, int(ctx.cfg.distill.seq_len))
+    record = reconstruct(ctx, parent, model, local, ckpt_dir, flops)
     record["split"] = {"local": local, "global": rest, "fraction": float(ctx.cfg.reconstruct.fraction)}
     save_weights(out, cspec, ctx.to_hf(cspec, model))
     write_json_atomic(out / RECORD, record)
