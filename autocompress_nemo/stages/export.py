@@ -6,6 +6,7 @@ the stages before keep one weights file each, and every other format is written 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -166,8 +167,6 @@ def run(ctx: Context, out: Path, student: DistillDir) -> None:
 
 def _steps(student: DistillDir) -> int:
     """The recovery's optimizer steps (the checkpoint's iteration): 0 for a student that was not distilled."""
-    import json
-
     return int(json.loads(student.record.read_text()).get("steps", 0)) if student.record.is_file() else 0
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from autocompress_nemo.arch.counts import forward_flops_per_token
 from autocompress_nemo.context import Context, load_weights, save_weights
 from autocompress_nemo.stages.declare import DATA, LAYOUT, PARENT, Stage, reads
 from autocompress_nemo.stages.layout import ExtractDir, RankDir
@@ -145,8 +146,6 @@ def reconstruct(
 def local_flops_per_token(parent: Any, student: Any, seq: int) -> float:
     """A local step's arithmetic per token: the parent's layers forward (their inputs and outputs), the
     student's layers forward and backward; no LM head on either side, no teacher logits."""
-    from autocompress_nemo.arch.counts import forward_flops_per_token
-
     return forward_flops_per_token(parent, seq, head=False) + 3 * forward_flops_per_token(student, seq, head=False)
 
 
