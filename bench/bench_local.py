@@ -26,12 +26,13 @@ import dataclasses
 import json
 import platform
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from autocompress_nemo.utils.machine import ffn_matmul_flops_per_s
 
 
 def _say(msg: str) -> None:
@@ -59,20 +60,6 @@ def _layer_flops_per_token(spec: Any, seq: int) -> float:
     weights = param_count(spec) - embedding_params(spec) - head
     attn = sum(2 * seq * b.num_heads * b.head_dim for b in spec.blocks if getattr(b, "num_heads", 0))
     return float(weights + attn)
-
-
-def _matmul_rate(spec: Any, rows: int) -> float:
-    """This machine's float32 matmul FLOP/s on ``[rows, hidden] x [hidden, ffn]`` (best of 10)."""
-    ffn = max(b.ffn for b in spec.blocks if b.kind == "mlp")
-    x, w = torch.randn(rows, spec.hidden), torch.randn(spec.hidden, ffn)
-    for _ in range(3):
-        x @ w
-    best = float("inf")
-    for _ in range(10):
-        t = time.perf_counter()
-        x @ w
-        best = min(best, time.perf_counter() - t)
-    return 2 * rows * spec.hidden * ffn / best
 
 
 def main() -> None:
@@ -117,7 +104,7 @@ def main() -> None:
     out = run / "bench_local" / tag
     out.mkdir(parents=True, exist_ok=True)
     seq, bs = int(cfg.distill.seq_len), int(cfg.distill.batch_size)
-    rate = _matmul_rate(pspec, bs * seq)
+    rate = ffn_matmul_flops_per_s(pspec, bs * seq)
     result: dict[str, Any] = {
         "bench": "local_reconstruction",
         "run": str(run),

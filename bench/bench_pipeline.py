@@ -35,24 +35,13 @@ DONE = re.compile(r"^\[(?P<stage>[\w@.]+)\] done in (?P<s>[0-9.]+) s")
 
 def matmul_gflops(run_dir: Path, rows: int = 2048) -> float | None:
     """Best float32 GFLOP/s of ``[rows, h] x [h, ffn]`` on the parent's shape (``rank/spec.json``)."""
-    import torch
-
     from autocompress_nemo.arch.spec import ArchSpec
+    from autocompress_nemo.utils.machine import ffn_matmul_flops_per_s
 
     spec_file = run_dir / "rank" / "spec.json"
     if not spec_file.is_file():
         return None
-    spec = ArchSpec.from_json(spec_file.read_text())
-    ffn = max((getattr(b, "ffn", 0) or 0) for b in spec.blocks) or 4 * spec.hidden
-    x, w = torch.randn(rows, spec.hidden), torch.randn(spec.hidden, ffn)
-    for _ in range(3):
-        x @ w
-    best = float("inf")
-    for _ in range(10):
-        t = time.perf_counter()
-        x @ w
-        best = min(best, time.perf_counter() - t)
-    return 2 * rows * spec.hidden * ffn / best / 1e9
+    return ffn_matmul_flops_per_s(ArchSpec.from_json(spec_file.read_text()), rows) / 1e9
 
 
 def run_job(python: str, cwd: Path, overrides: list[str], run_dir: Path) -> tuple[float, str]:
