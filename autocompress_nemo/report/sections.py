@@ -26,9 +26,8 @@ from autocompress_nemo.report.timing import timing_section
 def _summary(res: dict[str, Any]) -> list[str]:
     m = res["models"]
     out = []
-    for key in ("autocompress", "minitron_pp"):
-        e = m.get(key)
-        if e is None:
+    for key, e in m.items():  # every student (the parent is the reference, not judged)
+        if key == "parent" or not isinstance(e, dict) or "label" not in e:
             continue
         src = (e.get("measured") or {}).get("source")
         if e.get("pass") is None:
