@@ -174,3 +174,29 @@ def test_ctrl_c_that_a_library_turns_into_another_error_still_ends_as_interrupte
         signal.signal(signal.SIGINT, before)
     assert e.value.code == 130
     assert capsys.readouterr().err.strip() == "autocompress: interrupted; rerun the same command to resume"
+
+
+def test_ctrl_c_during_a_checkpoint_write_lands_after_it() -> None:
+    """A SIGINT inside ``ctrl_c_deferred`` (the trainer's and the Megatron checkpoint's saves) lets the
+    block finish, then arrives as the installed handler delivers it. In CI a Ctrl-C during Megatron's
+    save interrupted the parent while its ``multiprocessing`` manager child started, and that child
+    printed a BrokenPipeError traceback next to the one line."""
+    from autocompress_nemo.utils.interrupts import ctrl_c_deferred
+
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    finished = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with ctrl_c_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)  # the signal has arrived by now; the block goes on
+                finished.append(True)
+        assert finished == [True]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # ignored stays ignored: nothing is delivered
+        with ctrl_c_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+    finally:
+        signal.signal(signal.SIGINT, before)

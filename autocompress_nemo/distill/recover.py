@@ -60,6 +60,7 @@ from autocompress_nemo.distill.optim import Parallel, build_optimizer, opt_field
 from autocompress_nemo.models.dist_checkpoint import unwrap
 from autocompress_nemo.utils import work
 from autocompress_nemo.utils.artifacts import write_json_atomic
+from autocompress_nemo.utils.interrupts import ctrl_c_deferred
 
 Forward = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
 _log = logging.getLogger("autocompress.distill")
@@ -415,16 +416,17 @@ def train(
             mon.update(row, n_tok)
             if done == steps or row.get("stopped") or (every > 0 and done % every == 0):
                 full = store.dist is None  # torch_dist: model, optimizer, RNG from store.dist
-                last_ckpt = store.save(
-                    done,
-                    {
-                        "model": student.state_dict() if full else None,
-                        "optimizer": opt.state_dict() if full else None,
-                        "rng": rng_state() if full else None,
-                        "step": done,
-                        "history": history,
-                    },
-                )
+                with ctrl_c_deferred():  # a Ctrl-C lands after the checkpoint is whole
+                    last_ckpt = store.save(
+                        done,
+                        {
+                            "model": student.state_dict() if full else None,
+                            "optimizer": opt.state_dict() if full else None,
+                            "rng": rng_state() if full else None,
+                            "step": done,
+                            "history": history,
+                        },
+                    )
             if row.get("stopped"):
                 stopped = row["stopped"]
                 say(f"{name}: stopping after step {done}/{steps}: {stopped}")

@@ -32,6 +32,7 @@ import torch
 
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.models import compat_cpu
+from autocompress_nemo.utils.interrupts import ctrl_c_deferred
 
 TRACKER = "latest_checkpointed_iteration.txt"
 ARGS = "megatron_args.json"
@@ -89,7 +90,8 @@ def save_checkpoint(model: Any, spec: ArchSpec, out_dir: str | Path, iteration: 
         "iteration": iteration,
         "args": checkpoint_args(spec, m),
     }
-    dist_checkpointing.save(state, str(ckpt))
+    with ctrl_c_deferred():  # a Ctrl-C lands after the checkpoint is whole
+        dist_checkpointing.save(state, str(ckpt))
     if _rank0():
         (out / SPEC).write_text(spec.to_json())
         args = megatron_args(spec, m)
