@@ -167,31 +167,38 @@ def collect_outputs(run_dir: Path, methods: list[str]) -> list[dict[str, str]]:
                 _serving_row(m, hf, spec, parity, "vllm", "vLLM", f"vllm serve {hf} --trust-remote-code"),
                 _serving_row(m, hf, spec, parity, "trtllm", "TensorRT-LLM", f"trtllm-serve {hf} --trust_remote_code"),
             ]
-        ck = ex.megatron
-        if (ck / "latest_checkpointed_iteration.txt").is_file():
-            rows.append(
-                {
-                    "method": m,
-                    "output": str(ck),
-                    "format": "Megatron dist checkpoint (torch_dist)",
-                    "consumer": "Megatron-LM / Megatron-Bridge",
-                    "command": f"--load {ck} --use-dist-ckpt --ckpt-format torch_dist --finetune --no-load-optim "
-                    f"--no-load-rng + the arguments in {ck / 'megatron_args.json'}",
-                    "checked_here": "loaded back with megatron.core on CPU at TP=1/2 "
-                    "(tests/test_dist_checkpoint.py); no Megatron-LM launch. Megatron-Bridge: " + _bridge_checked(ck),
-                }
-            )
-            rows.append(
-                {
-                    "method": m,
-                    "output": str(ck),
-                    "format": "Megatron dist checkpoint (torch_dist)",
-                    "consumer": "this project",
-                    "command": f"python -m autocompress_nemo.distill distill.init_from={ck}  "
-                    f"(or python -m autocompress_nemo.models.dist_checkpoint load {ck})",
-                    "checked_here": "yes (tests/test_dist_checkpoint.py)",
-                }
-            )
+        rows += _megatron_rows(m, ex.megatron)
+    return rows
+
+
+def _megatron_rows(m: str, ck: Path) -> list[dict[str, str]]:
+    """The export's Megatron-LM checkpoint, for Megatron-LM / Megatron-Bridge and for this project."""
+    rows: list[dict[str, str]] = []
+    if not (ck / "latest_checkpointed_iteration.txt").is_file():
+        return rows
+    rows.append(
+        {
+            "method": m,
+            "output": str(ck),
+            "format": "Megatron dist checkpoint (torch_dist)",
+            "consumer": "Megatron-LM / Megatron-Bridge",
+            "command": f"--load {ck} --use-dist-ckpt --ckpt-format torch_dist --finetune --no-load-optim "
+            f"--no-load-rng + the arguments in {ck / 'megatron_args.json'}",
+            "checked_here": "loaded back with megatron.core on CPU at TP=1/2 "
+            "(tests/test_dist_checkpoint.py); no Megatron-LM launch. Megatron-Bridge: " + _bridge_checked(ck),
+        }
+    )
+    rows.append(
+        {
+            "method": m,
+            "output": str(ck),
+            "format": "Megatron dist checkpoint (torch_dist)",
+            "consumer": "this project",
+            "command": f"python -m autocompress_nemo.distill distill.init_from={ck}  "
+            f"(or python -m autocompress_nemo.models.dist_checkpoint load {ck})",
+            "checked_here": "yes (tests/test_dist_checkpoint.py)",
+        }
+    )
     return rows
 
 
