@@ -138,14 +138,22 @@ def test_the_pipeline_stops_with_the_engine_message(tmp_path) -> None:
     assert "Traceback" not in p.stderr.split("autocompress: engine error")[1]
 
 
-def test_one_model_per_process_engines_time_against_a_bracketing_reference(tmp_path) -> None:
+def test_one_model_per_process_engines_time_against_a_bracketing_reference(tmp_path, monkeypatch) -> None:
     """vLLM / TensorRT-LLM (one model per worker process): with a reference, the reference is measured
     first, after every REFERENCE_EVERY models and last; each model is its ratio to the reference's time
     interpolated between the two measurements around it, so a machine that slows down steadily during
     the call leaves the ratios right (here 0.5 within 1 %), and the reference itself is not measured as
-    a model."""
+    a model. The engine's clock is a fake one that the fake worker advances, so the drift is linear in
+    the clock the engine reads whatever the load on the machine running the test (with a real clock,
+    a busy CI machine spaced the calls unevenly and the ratio came out 0.508)."""
+    import types
+
+    from autocompress_nemo.costs.engines import hf_llm
     from autocompress_nemo.costs.engines.base import Measurement, Workload
     from autocompress_nemo.costs.engines.hf_llm import REFERENCE_EVERY, HfLlmEngine
+
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(hf_llm, "time", types.SimpleNamespace(monotonic=lambda: clock.now))
 
     class Drifting(HfLlmEngine):
         name = "vllm"
@@ -156,8 +164,9 @@ def test_one_model_per_process_engines_time_against_a_bracketing_reference(tmp_p
 
         def measure(self, spec, workload, weights=None, *, timing=True):  # noqa: ANN001, ANN202
             self.order.append(spec.name)
-            time.sleep(0.01)
-            slow = 1.0 + 0.2 * len(self.order)  # 20 % slower per worker call
+            clock.now += 0.5  # each worker call takes one unit of the fake clock; this is its middle
+            slow = 1.0 + 0.2 * clock.now  # 20 % slower per worker call
+            clock.now += 0.5
             base = 10.0 if spec.name in ("reference", "parent") else 5.0
             return Measurement(prefill_ms=2 * base * slow, decode_ms=base * slow, memory={"weights": 1.0})
 
