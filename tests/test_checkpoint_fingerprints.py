@@ -71,13 +71,13 @@ def test_checkpoints_carry_their_stage_fingerprint_and_resume_when_it_holds(run_
     for stage in (SEARCH, DISTILL):
         m = __import__("json").loads((run_dir / stage / "manifest.json").read_text())
         assert _fingerprint(run_dir, stage) == m["config_hash"]
-    assert (run_dir / f"{SEARCH}.ckpt" / "router.pt").is_file()
+    assert (run_dir / f"{SEARCH}.ckpt" / "checkpoints" / "latest.json").is_file()
     shutil.rmtree(run_dir / DISTILL)  # killed after its last checkpoint, before the artifact
     out = _pipeline(run_dir, capsys)
     assert "distill: resumed from step 4/4" in out, out
     shutil.rmtree(run_dir / SEARCH)
     out = _pipeline(run_dir, capsys, "stages=[profile,rank,search]")
-    assert "search: resumed at step 4" in out, out
+    assert "search: resumed from step 4/4" in out, out
     assert "set aside" not in out
 
 
@@ -89,7 +89,7 @@ def test_a_search_setting_change_never_resumes_the_old_router(run_dir, capsys) -
     assert statuses(recorded(run_dir))[SEARCH] == "ran" and "config changed" in why(recorded(run_dir), SEARCH)
     assert f"[{SEARCH}.ckpt] checkpoint made from other inputs (fingerprint {old_fp}" in out, out
     assert "search: resumed" not in out
-    assert (run_dir / f"{SEARCH}.ckpt.stale" / "router.pt").is_file()  # kept for inspection
+    assert (run_dir / f"{SEARCH}.ckpt.stale" / "checkpoints" / "latest.json").is_file()  # kept for inspection
     assert _fingerprint(run_dir, SEARCH) != old_fp
     assert (run_dir / SEARCH / "trajectory.json").read_text() != old_traj  # the new setting took effect
 
@@ -121,12 +121,13 @@ def test_a_data_seed_change_retrains_the_student(run_dir, capsys) -> None:
 
 @pytest.mark.slow
 def test_a_truncated_router_checkpoint_is_reported_and_set_aside(run_dir, capsys) -> None:
-    ckpt = run_dir / f"{SEARCH}.ckpt" / "router.pt"
-    ckpt.write_bytes(ckpt.read_bytes()[:200])
+    root = run_dir / f"{SEARCH}.ckpt" / "checkpoints"
+    (shard,) = (root / "step_000004").glob("*.pt")  # the trainer's torch.save shard of the router
+    shard.write_bytes(shard.read_bytes()[:200])
     shutil.rmtree(run_dir / SEARCH)  # killed after the checkpoint, before the artifact
     out = _pipeline(run_dir, capsys)
-    assert f"search: checkpoint {ckpt} cannot be read" in out, out
-    assert f"set aside as {ckpt}.corrupt; starting from step 0" in out
+    assert f"search: checkpoint {shard} cannot be read" in out, out
+    assert f"set aside as {root}.corrupt; starting from step 0" in out
     assert "search: resumed" not in out
     assert (run_dir / SEARCH / "manifest.json").is_file()
 

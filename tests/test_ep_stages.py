@@ -164,11 +164,11 @@ def _stages(rank: int, world: int, out_dir: str) -> dict:
 
     res["search"] = search(False)  # the configured default: shared weights frozen
     res["search_trained"] = search(True)
-    ckpt = str(run.ckpt_dir("search") / "router.pt")
+    ckpt = str(run.ckpt_dir("search"))
     with pytest.raises(Killed):  # the search is killed at step 5
         search(True, ckpt, kill_at=5)
     res["search_resumed"] = search(True, ckpt)
-    res["search_files"] = sorted(p.name for p in Path(ckpt).parent.iterdir())
+    res["search_files"] = sorted(str(p.relative_to(ckpt)) for p in Path(ckpt, "checkpoints").glob("step_*/*"))
 
     # -- extract: the stage, for a fixed heterogeneous child (4 and 2 routed experts) -------------
     child = apply_choices(pspec, decisions, _choose(decisions, CHILD))
@@ -268,10 +268,10 @@ def test_ep2_router_search_equals_ep1(runs) -> None:
     ref, two = runs
     for key in ("search", "search_trained"):
         assert two[0][key] == two[1][key], f"{key}: the ranks' routers diverged"
-    # EP=1 kill + resume (shared weights inside router.pt in one process)
+    # EP=1 kill + resume (the router and the shared weights in the trainer's one shard)
     assert ref["search_resumed"]["kd"] == pytest.approx(ref["search_trained"]["kd"], abs=1e-6)
     assert ref["search_resumed"]["choices"] == ref["search_trained"]["choices"]
-    assert ref["search_files"] == ["router.pt"]
+    assert ref["search_files"] == ["checkpoints/step_000010/mp_tp00_pp000.pt"]
     for r, out in enumerate(two):
         o, t = out["search"], out["search_trained"]
         dp, dkd = _diff(o, ref["search"])
@@ -288,11 +288,10 @@ def test_ep2_router_search_equals_ep1(runs) -> None:
         assert again["choices"] == t["choices"] and again["tokens"] == t["tokens"]
         assert again["kd"] == pytest.approx(t["kd"], abs=1e-6)
         assert sum(again["probs"], []) == pytest.approx(sum(t["probs"], []), abs=1e-6)
-        # the router file and one weight shard per EP rank of the last checkpoint (step 10)
+        # one shard per EP rank (the router and that rank's experts) of the last checkpoint (step 10)
         assert out["search_files"] == [
-            "router.pt",
-            "router.pt.mp_tp00_ep00_pp000.step000010.pt",
-            "router.pt.mp_tp00_ep01_pp000.step000010.pt",
+            "checkpoints/step_000010/mp_tp00_ep00_pp000.pt",
+            "checkpoints/step_000010/mp_tp00_ep01_pp000.pt",
         ]
 
 

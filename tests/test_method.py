@@ -3,6 +3,8 @@ child, router moving to the budget, extraction meeting it, repair."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -193,10 +195,10 @@ def test_search_killed_midway_resumes_to_the_same_result(tmp_path) -> None:
         )
 
     ref = run(None)
-    ckpt = str(tmp_path / "router.pt")
+    ckpt = str(tmp_path / "search")
     with pytest.raises(KeyboardInterrupt):
         run(ckpt, fail_at=9)
-    assert torch.load(ckpt, weights_only=False)["step"] == 8
+    assert json.loads((tmp_path / "search" / "checkpoints" / "latest.json").read_text())["step"] == 8
     resumed = run(ckpt)
     assert resumed.choices == ref.choices
     assert [r["kd"] for r in resumed.trajectory] == pytest.approx([r["kd"] for r in ref.trajectory], abs=1e-6)

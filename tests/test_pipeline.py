@@ -83,7 +83,7 @@ def test_impossible_budget_stops_before_training(tmp_path, capsys) -> None:
     ):
         run_pipeline(cfg)
     assert not (tmp_path / "run" / "search_autocompress").exists()
-    assert not (tmp_path / "run" / "search_autocompress.ckpt" / "router.pt").exists()
+    assert not (tmp_path / "run" / "search_autocompress.ckpt" / "checkpoints").exists()  # no router step ran
 
 
 def test_quick_preset_lightens_profiling_only_through_a_copy() -> None:

@@ -27,7 +27,7 @@ def test_nan_step_is_skipped_and_nan_checkpoint_not_resumed(tmp_path, megatron_t
         return out * float("nan") if calls["n"] == 6 else out
 
     logs: list[str] = []
-    ckpt = str(tmp_path / "router.pt")
+    ckpt = tmp_path / "search"
 
     def search(fwd):  # noqa: ANN001, ANN202 - the same search, resumable from ``ckpt``
         budget = {"params": 0.75 * param_count(spec)}
@@ -51,10 +51,11 @@ def test_nan_step_is_skipped_and_nan_checkpoint_not_resumed(tmp_path, megatron_t
     assert all(len(p) == len(d.options) and all(v == v for v in p) for p, d in zip(out.probs, decisions, strict=True))
     assert all(0 <= c < len(d.options) for c, d in zip(out.choices, decisions, strict=True))
     # a checkpoint whose logits went non-finite (older code) is not resumed
-    st = torch.load(ckpt, weights_only=False)
-    st["router"] = {k: v * float("nan") for k, v in st["router"].items()}
-    torch.save(st, ckpt)
+    shard = next((ckpt / "checkpoints").glob("step_*/*.pt"))
+    st = torch.load(shard, weights_only=False)
+    st["model"] = {k: v * float("nan") if k.startswith("router.") else v for k, v in st["model"].items()}
+    torch.save(st, shard)
     logs.clear()
     again = search(forward_logits)
-    assert any("non-finite router logits; starting from step 0" in s for s in logs)
+    assert any("holds non-finite weights (router.logits.0); starting from step 0" in s for s in logs), logs
     assert len(again.trajectory) == 6  # search_cfg(steps=6): every step, from step 0

@@ -163,6 +163,11 @@ class SearchConfig:
     """Train the shared supernet weights during search (they only judge choices)."""
     tau_start: float = 2.0
     tau_end: float = 0.1
+    settle_steps: int = 0
+    """End the router early once its hard choice (the argmax option of every decision, what settle
+    starts from) has been the same for this many consecutive steps and is within ``slack`` of every
+    budget by the table; never before half of ``steps`` (the anneal's first half). 0: always ``steps`` steps.
+    The trajectory records the choice per step and why the router stopped (``search.router.settled``)."""
     penalty_over: float = 20.0
     """Weight of the penalty for exceeding a budget (relative excess squared)."""
     penalty_under: float = 1.0

@@ -104,13 +104,16 @@ class CheckpointStore:
         fingerprint: dict[str, Any],
         keep: int = 2,
         dist: Any = None,
+        name: str = "distill",
     ):
-        """``dist``: a ``distill.dist_state.DistState`` (the torch_dist format), else ``torch.save`` shards."""
+        """``dist``: a ``distill.dist_state.DistState`` (the torch_dist format), else ``torch.save``
+        shards. ``name``: the stage the messages name."""
         self.root = Path(root)
         self.par = par
         self.fingerprint = fingerprint
         self.keep = max(1, keep)
         self.dist = dist
+        self.name = name
 
     @property
     def format(self) -> str:
@@ -189,7 +192,7 @@ class CheckpointStore:
             return None
         if meta.get("fingerprint") != self.fingerprint:
             log(
-                f"distill: checkpoint {self.root} was written for another configuration "
+                f"{self.name}: checkpoint {self.root} was written for another configuration "
                 f"({meta.get('fingerprint')} != {self.fingerprint}); starting from step 0"
             )
             return None
@@ -198,19 +201,19 @@ class CheckpointStore:
         reshard = self.dist is not None and meta.get("format") == self.format and there[1] == here[1]
         if there != here and reshard:  # torch_dist describes every shard: read it at this run's TP / EP
             log(
-                f"distill: checkpoint {self.root} was written with TP={there[0]} EP={there[2]}; resharding it "
+                f"{self.name}: checkpoint {self.root} was written with TP={there[0]} EP={there[2]}; resharding it "
                 f"to TP={here[0]} EP={here[2]} (the RNG states of the other layout are not restored)"
             )
         elif there != here:
             raise ValueError(
-                f"distill checkpoint {self.root} was written with TP={meta.get('tp')} PP={meta.get('pp')} "
+                f"{self.name} checkpoint {self.root} was written with TP={meta.get('tp')} PP={meta.get('pp')} "
                 f"EP={meta.get('ep', 1)}, this run has TP={self.par.tp_size} PP={self.par.pp_size} "
                 f"EP={self.par.ep_size}: resume with the same cluster.tp/cluster.pp/cluster.ep, "
                 f"or delete {self.root} to start over"
             )
         if meta.get("format", "torch") != self.format:
             log(
-                f"distill: checkpoint {self.root} is in the {meta.get('format', 'torch')} format, this run "
+                f"{self.name}: checkpoint {self.root} is in the {meta.get('format', 'torch')} format, this run "
                 f"writes {self.format}; starting from step 0"
             )
             return None
@@ -263,4 +266,4 @@ class CheckpointStore:
             where = set_aside(self.root, "corrupt")
         if sync:
             self.par.barrier()
-        log(f"distill: checkpoint {path} cannot be read ({why}); set aside as {where}; starting from step 0")
+        log(f"{self.name}: checkpoint {path} cannot be read ({why}); set aside as {where}; starting from step 0")

@@ -33,7 +33,7 @@ class Monitor:
     def __init__(
         self, out_dir: Path, cfg: Any, total_steps: int, start_step: int, enabled: bool, name: str = "distill"
     ) -> None:
-        self.enabled = enabled
+        self.enabled, self.name = enabled, name
         self.log_every = max(1, int(opt_field(cfg, "log_every", 10)))
         self.t0 = time.perf_counter()
         self.tokens = 0
@@ -80,9 +80,9 @@ class Monitor:
             scalars = {k: float(v) for k, v in row.items() if k != "step" and isinstance(v, int | float)}
             scalars["tokens_per_s"] = tps
             for k, v in scalars.items():
-                self.tb.add_scalar(f"distill/{k}", v, step)
+                self.tb.add_scalar(f"{self.name}/{k}", v, step)
             if self.wandb is not None:
-                self.wandb.log({f"distill/{k}": v for k, v in scalars.items()}, step=step)
+                self.wandb.log({f"{self.name}/{k}": v for k, v in scalars.items()}, step=step)
 
     def close(self) -> None:
         if not self.enabled:

@@ -180,17 +180,17 @@ def _fingerprint(cfg: Any, steps: int, seed: int, opt_name: str, lm: bool = Fals
     return {k: (float(v) if isinstance(v, float) else v) for k, v in fp.items()}
 
 
-def _local_rows(x_BT: torch.Tensor, par: Parallel, batch_size: int) -> torch.Tensor:
+def _local_rows(x_BT: torch.Tensor, par: Parallel, batch_size: int, name: str = "distill") -> torch.Tensor:
     if x_BT.dim() != 2:
         raise ValueError(f"batch_at(step) must return token ids [B, T], got shape {tuple(x_BT.shape)}")
     if x_BT.shape[0] != batch_size:
         raise ValueError(
-            f"batch_at(step) returned {x_BT.shape[0]} sequences but distill.batch_size={batch_size}: "
+            f"batch_at(step) returned {x_BT.shape[0]} sequences but {name}.batch_size={batch_size}: "
             "the token budget assumes one global batch per step"
         )
     if batch_size % par.dp_size:
         raise ValueError(
-            f"distill.batch_size={batch_size} is not divisible by the data-parallel size "
+            f"{name}.batch_size={batch_size} is not divisible by the data-parallel size "
             f"{par.dp_size}; choose a multiple of it"
         )
     n = batch_size // par.dp_size
@@ -202,15 +202,21 @@ class Objective:
     """What one training run optimizes (the trainer's plug-in; torchtitan / Megatron-Bridge style):
     ``loss(x_BT) -> (loss, metrics)`` on one micro-batch of this rank's rows; ``metrics`` are floats
     averaged over micro-batches and data-parallel ranks into the step's history row. ``kind`` names
-    it in the checkpoint fingerprint and the record (``kd``, ``lm``, ``local``, ...); ``fingerprint``
-    adds the settings a resumed run must share. ``setup`` / ``teardown`` run around the loop
-    (hooks)."""
+    it in the checkpoint fingerprint and the record (``kd``, ``lm``, ``local``, ``router``...);
+    ``fingerprint`` adds the settings a resumed run must share. Hooks: ``setup`` / ``teardown`` run
+    around the loop; ``begin_step(step)`` before a step's first micro-batch (the router's
+    temperature and Gumbel sample); ``extras()`` after the optimizer step, merged into the step's
+    row; ``stop(history)`` after every step: a string ends the run there (recorded as
+    ``row["stopped"]`` and checkpointed, so a resumed run stops at the same step)."""
 
     kind: str
     loss: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
     fingerprint: dict[str, Any] = field(default_factory=dict)
     setup: Callable[[], None] | None = None
     teardown: Callable[[], None] | None = None
+    begin_step: Callable[[int], None] | None = None
+    extras: Callable[[], dict[str, Any]] | None = None
+    stop: Callable[[list[dict[str, Any]]], str | None] | None = None
 
 
 def distill(
@@ -285,7 +291,7 @@ def train(
     out_dir: str | Path,
     seed: int,
     *,
-    optimizer: str = "auto",
+    optimizer: Any = "auto",
     micro_batch_size: int | None = None,
     log: Callable[[str], None] | None = None,
     name: str = "train",
@@ -298,38 +304,32 @@ def train(
     """The one training loop: ``student``'s trainable parameters (``requires_grad``) optimized on
     ``objective.loss`` for ``cfg.tokens`` tokens; resumable from ``out_dir``.
 
-    ``cfg``: ``config.schema.DistillConfig`` (or any object with its fields; optional extras
-    ``weight_decay``, ``grad_clip``, ``adam_beta1/2``, ``adam_eps``). ``optimizer``: ``auto``
-    (Megatron's on CUDA for Megatron models, else ``torch.optim.AdamW``), ``torch``,
-    ``megatron``. ``micro_batch_size``: split each rank's rows into micro-batches with
-    gradient accumulation (same result, less activation memory). ``init_from``: a Megatron-LM
-    distributed checkpoint (``models.dist_checkpoint``, any TP size) whose weights the student
-    starts from; this run's own checkpoint, when there is one, still wins (it is later).
-    ``evaluate``: called with the model every ``eval_every`` steps (and after the last); its dict is
-    recorded as ``row["eval"]`` (plus ``tokens``). ``should_stop``: called with every eval so far;
-    a string ends the run after that step (recorded as ``row["stopped"]``, checkpointed).
-    ``flops_per_token``: the step's arithmetic per token (teacher forward + student forward and
-    backward, ``arch.counts.forward_flops_per_token``), counted for this rank's rows in ``utils.work``
-    (the stage's FLOP bound in ``record.json``).
+    ``cfg``: ``config.schema.DistillConfig`` or any object with its fields. ``optimizer``: ``auto`` (Megatron's on CUDA for
+    Megatron models, else ``torch.optim.AdamW``), ``torch``, ``megatron``, or an object of their face
+    (``search.autocompress.RouterOptimizer``; ``skips_nonfinite``: a non-finite loss is recorded, not
+    raised). ``micro_batch_size``: gradient accumulation over this rank's rows. ``init_from``: a
+    Megatron-LM distributed checkpoint the student starts from (this run's own checkpoint wins).
+    ``evaluate`` every ``eval_every`` steps and after the last, into ``row["eval"]``;
+    ``should_stop(evals)``: a string ends the run there (``row["stopped"]``, checkpointed).
+    ``flops_per_token``: the step's arithmetic per token, counted in ``utils.work`` (the stage's
+    FLOP bound in ``record.json``).
 
     Writes ``<out_dir>/checkpoints``, ``<out_dir>/tensorboard`` and (rank 0)
-    ``<out_dir>/distill_summary.json``. Returns: steps, tokens, tokens_this_run,
-    resumed_from_step, first_loss, final_loss, history (per step: step, loss, the objective's
-    metrics, lr, grad_norm, tokens so far, step_s wall seconds), tokens_per_s, wall_s, optimizer,
-    checkpoint, tensorboard. The student ends in eval mode with the final weights.
-    """
+    ``<out_dir>/<name>_summary.json``. Returns: steps, tokens, tokens_this_run, resumed_from_step,
+    first_loss, final_loss, history (per step: step, loss, the objective's metrics, lr, grad_norm,
+    tokens so far, step_s), tokens_per_s, wall_s, optimizer, checkpoint, tensorboard; the student
+    in eval mode."""
     say = log or _log.info
     out = Path(out_dir)
     par = Parallel.detect()
     if par.pp_size > 1:
         raise ValueError(
-            "distill runs without pipeline parallelism (forward_logits needs every layer on one "
-            "rank); set cluster.pp=1 (or cluster.stage_layouts.distill.pp=1)"
+            f"{name} runs without pipeline parallelism (forward_logits needs every layer on one "
+            f"rank); set cluster.pp=1 (or cluster.stage_layouts.{name}.pp=1)"
         )
     if par.is_rank0:
         out.mkdir(parents=True, exist_ok=True)
     steps = num_steps(cfg)
-    lm = objective.kind == "lm"
     torch.manual_seed(seed)
     student.train()
     if init_from:
@@ -338,105 +338,206 @@ def train(
 
         it = load_checkpoint(student, init_from)
         say(f"{name}: student weights from the Megatron checkpoint {init_from} (iteration {it})")
-    opt = build_optimizer(optimizer, student, cfg, steps, par)
-    fp = _fingerprint(cfg, steps, seed, opt.name, lm)
-    if objective.kind not in ("kd", "lm"):  # (kd / lm: the keys of checkpoints written before the objective)
-        fp.update(loss=objective.kind, **objective.fingerprint)
-    store = CheckpointStore(
-        out / "checkpoints",
-        par,
-        fp,
-        keep=int(opt_field(cfg, "keep_checkpoints", 2)),
-        dist=DistState(student, opt, par) if dist_supports(student, opt) else None,
-    )
-
-    start, history = 0, []
-    state = store.load(log=say)  # torch_dist: model, optimizer and RNG already set
-    if state is not None:
-        if "model" in state:
-            student.load_state_dict(state["model"])
-            opt.load_state_dict(state["optimizer"])
-            set_rng_state(state["rng"])
-        start, history = int(state["step"]), list(state["history"])
-        say(f"{name}: resumed from step {start}/{steps} ({store.root})")
-
+    opt = build_optimizer(optimizer, student, cfg, steps, par) if isinstance(optimizer, str) else optimizer
+    store = _store(student, opt, objective, cfg, out, par, steps, seed, name)
+    start, history = _resume(student, opt, store, steps, name, say)
     stopped = next((r["stopped"] for r in history if r.get("stopped")), None)
     if stopped:
         say(f"{name}: stopped at step {start} in an earlier run ({stopped})")
-    mon = Monitor(out, cfg, steps, start, enabled=par.is_rank0, name=name)
+    run = _Run(student, objective, opt, store, par, cfg, steps, name, say, history, micro_batch_size, flops_per_token)
+    run.evaluate, run.eval_every, run.should_stop = evaluate, eval_every, should_stop
+    mon = run.mon = Monitor(out, cfg, steps, start, enabled=par.is_rank0, name=name)
     if objective.setup is not None:
         objective.setup()
     t0 = time.perf_counter()
-    tokens_run = 0
-    last_ckpt: Path | None = None
-    every = int(opt_field(cfg, "checkpoint_every", 0))
     try:
         for step in range(start, start if stopped else steps):
-            t_step = time.perf_counter()
-            x_BT = batch_at(step)
-            rows_BT = _local_rows(x_BT, par, int(cfg.batch_size))
-            mb = micro_batch_size or rows_BT.shape[0]
-            opt.zero_grad()
-            sums: dict[str, float] = {}
-            loss_sum = 0.0
-            for i in range(0, rows_BT.shape[0], mb):
-                x = rows_BT[i : i + mb]
-                frac = x.shape[0] / rows_BT.shape[0]
-                loss, metrics = objective.loss(x)
-                (loss * frac).backward()
-                loss_sum += float(loss.detach()) * frac
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) * frac
-            grad_norm = opt.step(step)
-            loss_mean = par.mean_over_dp(loss_sum)
-            if not math.isfinite(loss_mean):
-                raise FloatingPointError(f"{name} step {step}: loss is {loss_mean}; lower distill.lr")
-            n_tok = int(x_BT.numel())
-            tokens_run += n_tok
-            work.add(flops_per_token * n_tok / par.dp_size)
-            row = {
-                "step": step,
-                "loss": loss_mean,
-                **{k: par.mean_over_dp(v) for k, v in sums.items()},
-                "lr": opt.lr,
-                "grad_norm": grad_norm,
-                "tokens": (history[-1]["tokens"] if history else 0) + n_tok,
-                "step_s": time.perf_counter() - t_step,
-            }
-            done = step + 1
-            if evaluate is not None and (done == steps or (eval_every > 0 and done % eval_every == 0)):
-                row["eval"] = {**evaluate(student), "tokens": row["tokens"]}
-                student.train()
-                say(f"{name}: step {done}/{steps}, {row['tokens']:,} tokens: " + _fmt(row["eval"]))
-                if should_stop is not None:
-                    why = should_stop([r["eval"] for r in [*history, row] if "eval" in r])
-                    if why:
-                        row["stopped"] = why
-            history.append(row)
-            mon.update(row, n_tok)
-            if done == steps or row.get("stopped") or (every > 0 and done % every == 0):
-                full = store.dist is None  # torch_dist: model, optimizer, RNG from store.dist
-                with ctrl_c_deferred():  # a Ctrl-C lands after the checkpoint is whole
-                    last_ckpt = store.save(
-                        done,
-                        {
-                            "model": student.state_dict() if full else None,
-                            "optimizer": opt.state_dict() if full else None,
-                            "rng": rng_state() if full else None,
-                            "step": done,
-                            "history": history,
-                        },
-                    )
-            if row.get("stopped"):
-                stopped = row["stopped"]
-                say(f"{name}: stopping after step {done}/{steps}: {stopped}")
+            stopped = run.step(step, batch_at(step))
+            if stopped:
+                say(f"{name}: stopping after step {step + 1}/{steps}: {stopped}")
                 break
     finally:
         mon.close()
         if objective.teardown is not None:
             objective.teardown()
-    wall = time.perf_counter() - t0
     student.eval()
+    return _result(out, run, start, stopped, time.perf_counter() - t0)
+
+
+@dataclass
+class _Run:
+    """What the steps of one ``train`` call share, and one step of it."""
+
+    student: torch.nn.Module
+    objective: Objective
+    opt: Any
+    store: CheckpointStore
+    par: Parallel
+    cfg: Any
+    steps: int
+    name: str
+    say: Callable[[str], None]
+    history: list[dict[str, Any]]
+    micro_batch_size: int | None = None
+    flops_per_token: float = 0.0
+    evaluate: Callable[[torch.nn.Module], dict[str, float]] | None = None
+    eval_every: int = 0
+    should_stop: Callable[[list[dict[str, Any]]], str | None] | None = None
+    mon: Any = None
+    tokens_run: int = 0
+    last_ckpt: Path | None = None
+
+    def step(self, step: int, x_BT: torch.Tensor) -> str | None:
+        """Train on the step's global batch, record its row, checkpoint when due; why the run stops here, if it does."""
+        t_step = time.perf_counter()
+        rows_BT = _local_rows(x_BT, self.par, int(self.cfg.batch_size), self.name)
+        row = _step(self.student, self.objective, self.opt, rows_BT, step, self.name, self.micro_batch_size, self.par)
+        n_tok = int(x_BT.numel())
+        self.tokens_run += n_tok
+        work.add(self.flops_per_token * n_tok / self.par.dp_size)
+        row.update(
+            tokens=(self.history[-1]["tokens"] if self.history else 0) + n_tok, step_s=time.perf_counter() - t_step
+        )
+        done = step + 1
+        why = self._evaluate(row, done)
+        if why is None and self.objective.stop is not None and done < self.steps:
+            why = self.objective.stop([*self.history, row])
+        if why:
+            row["stopped"] = why
+        self.history.append(row)
+        self.mon.update(row, n_tok)
+        every = int(opt_field(self.cfg, "checkpoint_every", 0))
+        if done == self.steps or why or (every > 0 and done % every == 0):
+            self.last_ckpt = _save(self.store, self.student, self.opt, done, self.history)
+        return why or None
+
+    def _evaluate(self, row: dict[str, Any], done: int) -> str | None:
+        """The held-out evaluation when due (recorded in ``row["eval"]``) and ``should_stop``'s verdict on it."""
+        if self.evaluate is None or not (done == self.steps or (self.eval_every > 0 and done % self.eval_every == 0)):
+            return None
+        row["eval"] = {**self.evaluate(self.student), "tokens": row["tokens"]}
+        self.student.train()
+        self.say(f"{self.name}: step {done}/{self.steps}, {row['tokens']:,} tokens: " + _fmt(row["eval"]))
+        if self.should_stop is None:
+            return None
+        return self.should_stop([r["eval"] for r in [*self.history, row] if "eval" in r])
+
+
+def _store(
+    student: torch.nn.Module,
+    opt: Any,
+    objective: Objective,
+    cfg: Any,
+    out: Path,
+    par: Parallel,
+    steps: int,
+    seed: int,
+    name: str,
+) -> CheckpointStore:
+    """The run's checkpoints, keyed by everything a resumed run must share."""
+    fp = _fingerprint(cfg, steps, seed, opt.name, objective.kind == "lm")
+    if objective.kind not in ("kd", "lm"):  # (kd / lm: the keys of checkpoints written before the objective)
+        fp.update(loss=objective.kind, **objective.fingerprint)
+    return CheckpointStore(
+        out / "checkpoints",
+        par,
+        fp,
+        keep=int(opt_field(cfg, "keep_checkpoints", 2)),
+        dist=DistState(student, opt, par) if dist_supports(student, opt) else None,
+        name=name,
+    )
+
+
+def _resume(
+    student: torch.nn.Module, opt: Any, store: CheckpointStore, steps: int, name: str, say: Callable[[str], None]
+) -> tuple[int, list[dict[str, Any]]]:
+    """``(start step, history)`` from the latest checkpoint; ``(0, [])`` without one, or when its
+    weights are not finite (a run that went NaN: resuming it would only repeat that)."""
+    state = store.load(log=say)  # torch_dist: model, optimizer and RNG already set
+    if state is None:
+        return 0, []
+    if "model" in state:
+        bad = [
+            k
+            for k, v in state["model"].items()
+            if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all())
+        ]
+        if bad:
+            say(f"{name}: checkpoint {store.root} holds non-finite weights ({bad[0]}); starting from step 0")
+            return 0, []
+        student.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"])
+    start = int(state["step"])
+    say(f"{name}: resumed from step {start}/{steps} ({store.root})")
+    return start, list(state["history"])
+
+
+def _step(
+    student: torch.nn.Module,
+    objective: Objective,
+    opt: Any,
+    rows_BT: torch.Tensor,
+    step: int,
+    name: str,
+    micro_batch_size: int | None,
+    par: Parallel,
+) -> dict[str, Any]:
+    """One optimizer step over this rank's rows in micro-batches; its history row (without tokens)."""
+    if objective.begin_step is not None:
+        objective.begin_step(step)
+    mb = micro_batch_size or rows_BT.shape[0]
+    opt.zero_grad()
+    sums: dict[str, float] = {}
+    loss_sum = 0.0
+    for i in range(0, rows_BT.shape[0], mb):
+        x = rows_BT[i : i + mb]
+        frac = x.shape[0] / rows_BT.shape[0]
+        loss, metrics = objective.loss(x)
+        (loss * frac).backward()
+        loss_sum += float(loss.detach()) * frac
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + float(v) * frac
+    grad_norm = opt.step(step)
+    loss_mean = par.mean_over_dp(loss_sum)
+    if not math.isfinite(loss_mean) and not getattr(opt, "skips_nonfinite", False):
+        raise FloatingPointError(f"{name} step {step}: loss is {loss_mean}; lower distill.lr")
+    row = {
+        "step": step,
+        "loss": loss_mean,
+        **{k: par.mean_over_dp(v) for k, v in sums.items()},
+        "lr": opt.lr,
+        "grad_norm": grad_norm,
+    }
+    if objective.extras is not None:
+        row.update(objective.extras())
+    return row
+
+
+def _save(store: CheckpointStore, student: torch.nn.Module, opt: Any, done: int, history: list[dict[str, Any]]) -> Path:
+    full = store.dist is None  # torch_dist: model, optimizer, RNG from store.dist
+    with ctrl_c_deferred():  # a Ctrl-C lands after the checkpoint is whole
+        return store.save(
+            done,
+            {
+                "model": student.state_dict() if full else None,
+                "optimizer": opt.state_dict() if full else None,
+                "rng": rng_state() if full else None,
+                "step": done,
+                "history": history,
+            },
+        )
+
+
+def _result(out: Path, run: _Run, start: int, stopped: str | None, wall: float) -> dict[str, Any]:
+    store, par, history, steps, tokens_run, last_ckpt = (
+        run.store,
+        run.par,
+        run.history,
+        run.steps,
+        run.tokens_run,
+        run.last_ckpt,
+    )
     if last_ckpt is None:
         meta = store.latest()
         last_ckpt = store.root / meta["dir"] if meta else None
@@ -449,19 +550,19 @@ def train(
         "final_loss": history[-1]["loss"] if history else None,
         "steps_done": len(history),
         "stopped": stopped,
-        "loss_kind": objective.kind,
+        "loss_kind": run.objective.kind,
         "history": history,
         "tokens_per_s": tokens_run / wall if wall > 0 and tokens_run else 0.0,
         "wall_s": wall,
-        "optimizer": opt.name,
+        "optimizer": run.opt.name,
         "world": par.layout,
         "checkpoint": str(last_ckpt) if last_ckpt else None,
         "tensorboard": str(out / "tensorboard"),
     }
     if par.is_rank0:
-        write_json_atomic(out / "distill_summary.json", {k: v for k, v in result.items() if k != "history"})
-    say(
-        f"{name}: {len(history)}/{steps} steps, {result['tokens']} tokens, loss {result['first_loss']} -> {result['final_loss']}, "
+        write_json_atomic(out / f"{run.name}_summary.json", {k: v for k, v in result.items() if k != "history"})
+    run.say(
+        f"{run.name}: {len(history)}/{steps} steps, {result['tokens']} tokens, loss {result['first_loss']} -> {result['final_loss']}, "
         f"{result['tokens_per_s']:.0f} tok/s this run"
     )
     return result

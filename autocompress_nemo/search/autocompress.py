@@ -21,30 +21,33 @@ Parallel runs (``g`` the router-logit gradient of this rank's KD loss ``kd_r``):
   same step: TP=2 and EP=2 give the same ``arch.json`` as one process (tests/test_method_tp.py,
   tests/test_ep_stages.py).
 
-Checkpoint (``checkpoint``, every ``cfg.checkpoint_every`` steps): the router, its optimizer and
-the Gumbel generator (the same on every rank) in one file written by rank 0; with
-``train_weights`` on more than one process the shared weights and their optimizer go to one file
-per model-parallel shard, ``<checkpoint>.<mp_tp.._ep.._pp..>.step<N>.pt``, written before the
-router file names step N (so a kill leaves the previous complete checkpoint).
+Training: the one trainer (``distill.recover.train``) runs the steps, with the router's objective
+(``_router_objective``: temperature and Gumbel sample per step, KD of the masked supernet to the
+unmasked model) and ``RouterOptimizer``. Checkpoints (``<checkpoint>/checkpoints/step_<N>/``, every
+``cfg.checkpoint_every`` steps, at the end and where the router stopped) are the trainer's: one
+``torch.save`` shard per model-parallel rank holding the router (and, with ``train_weights``, that
+rank's shared weights), both optimizers, the Gumbel generator and the trajectory so far; a resumed
+search continues exactly, a checkpoint of other settings is not resumed, one with non-finite
+logits is not resumed, and an unreadable one is set aside.
 """
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Callable
+import contextlib
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from autocompress_nemo.arch.spec import ArchSpec, Block
-from autocompress_nemo.distill.checkpoint import save_atomic
 from autocompress_nemo.distill.kd import kd_loss
 from autocompress_nemo.distill.optim import Parallel, reduce_gradients
-from autocompress_nemo.search.router import Router, temperature, two_sided_penalty
+from autocompress_nemo.search.router import Router, settled, temperature, two_sided_penalty
 from autocompress_nemo.search.space import Decision, apply_choices
 from autocompress_nemo.search.supernet import Supernet
 
@@ -64,14 +67,7 @@ class SearchOutcome:
     trajectory: list[dict[str, Any]] = field(default_factory=list)
     tokens: int = 0
     wall_s: float = 0.0
-
-
-def _local_rows(x_BT: torch.Tensor, par: Parallel) -> torch.Tensor:
-    """This DP rank's contiguous ``B / dp`` rows; all ``B`` when ``dp`` does not divide ``B``."""
-    if par.dp_size == 1 or x_BT.shape[0] % par.dp_size:
-        return x_BT
-    n = x_BT.shape[0] // par.dp_size
-    return x_BT[par.dp_rank * n : (par.dp_rank + 1) * n]
+    stopped: str | None = None  # why the router ended before ``steps`` (``router.settled``), if it did
 
 
 def _reduce_router_grads(params: list[torch.nn.Parameter], par: Parallel) -> None:
@@ -88,82 +84,99 @@ def _reduce_router_grads(params: list[torch.nn.Parameter], par: Parallel) -> Non
         p.grad = g.view_as(p).clone()
 
 
-def _shard_file(checkpoint: str, par: Parallel, step: int) -> Path:
-    return Path(f"{checkpoint}.{par.shard_name}.step{step:06d}.pt")
+class _Trained(torch.nn.Module):
+    """What the trainer trains and checkpoints in a router search: the router, and the shared
+    weights when ``train_weights``. ``train()`` / ``eval()`` reach the router only: the shared
+    model keeps its mode (it is also the teacher)."""
+
+    def __init__(self, router: Router, model: torch.nn.Module | None) -> None:
+        super().__init__()
+        self.router = router
+        if model is not None:
+            self.model = model
+
+    def train(self, mode: bool = True) -> _Trained:
+        self.training = mode
+        self.router.train(mode)
+        return self
 
 
-def _save_checkpoint(checkpoint: str, par: Parallel, st: dict[str, Any], weights: dict[str, Any] | None) -> None:
-    """Weights per shard first (more than one process), then the router file by rank 0 (module docstring)."""
-    step = int(st["step"])
-    if weights is not None and par.world > 1:
-        if par.writes_checkpoint:
-            save_atomic(weights, _shard_file(checkpoint, par, step))
-        st = {**st, "weights_layout": par.layout}
-    elif weights is not None:
-        st = {**st, **weights}
-    par.barrier()
-    if par.is_rank0:
-        save_atomic(st, Path(checkpoint))
-        for old in Path(checkpoint).parent.glob(f"{Path(checkpoint).name}.mp_*.step*.pt"):
-            if not old.name.endswith(f".step{step:06d}.pt"):
-                old.unlink(missing_ok=True)
-    par.barrier()
+class RouterOptimizer:
+    """The router's Adam (``router_lr``) and, with ``train_weights``, the shared weights' Adam
+    (``weight_lr``), in the trainer's optimizer face. A step reduces the gradients as the module
+    docstring says, adds the budget penalty's gradient after the reduction (the same on every
+    rank), and skips the update when any gradient is non-finite (the same verdict on every rank,
+    as a loss scaler skips an overflowing step). The Gumbel generator's state travels in its
+    state dict, so a resumed search draws the same samples."""
 
+    name = "router_adam"
+    skips_nonfinite = True
 
-_CHECKPOINT_KEYS = ("router", "opt", "gen", "step", "trajectory", "tokens")
+    def __init__(
+        self,
+        router: Router,
+        weights: list[torch.nn.Parameter],
+        cfg: Any,
+        par: Parallel,
+        penalty: Callable[[], tuple[Any, dict[str, torch.Tensor]]],
+        gen: torch.Generator,
+        log: Callable[[str], None],
+    ) -> None:
+        self.params = list(router.parameters())
+        self.opt = torch.optim.Adam(self.params, lr=cfg.router_lr)
+        self.weights = weights
+        self.wopt = torch.optim.Adam(weights, lr=cfg.weight_lr) if weights else None
+        self.lr, self.par, self.penalty, self.gen, self.log = float(cfg.router_lr), par, penalty, gen, log
+        self.skipped = 0
+        self.last: dict[str, Any] = {}
 
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        if self.wopt is not None:
+            self.wopt.zero_grad(set_to_none=True)
 
-def _read_checkpoint(checkpoint: str, par: Parallel, log: Callable[[str], None]) -> dict[str, Any] | None:
-    """The router checkpoint, or ``None`` when it cannot be read (truncated, corrupted, not a
-    router checkpoint): reported by path and set aside (``router.pt.corrupt``) by rank 0."""
-    from autocompress_nemo.utils.artifacts import set_aside
+    def step(self, step: int) -> float:
+        par = self.par
+        _reduce_router_grads(self.params, par)
+        if self.wopt is not None and par.world > 1:
+            reduce_gradients(self.weights, par)
+        pen, exp = self.penalty()
+        if torch.is_tensor(pen) and pen.requires_grad:
+            pen.backward()
+        checked = self.params + self.weights
+        finite_t = torch.tensor([float(all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in checked))])
+        if par.world > 1:  # expert weights differ per rank: every rank takes the same verdict
+            dist.all_reduce(finite_t, op=dist.ReduceOp.MIN)
+        finite = bool(finite_t.item())
+        if finite:
+            self.opt.step()
+            if self.wopt is not None:
+                self.wopt.step()
+        else:
+            self.skipped += 1
+            self.log(f"search step {step + 1}: non-finite router gradient, update skipped ({self.skipped} so far)")
+        self.last = {
+            "penalty": float(pen.detach()) if torch.is_tensor(pen) else float(pen),
+            "skipped": not finite,
+            **{f"expected_{m}": float(v.detach()) for m, v in exp.items()},
+        }
+        norm = torch.cat([p.grad.reshape(-1) for p in self.params if p.grad is not None] or [torch.zeros(1)]).norm()
+        return float(norm)
 
-    try:
-        st = torch.load(checkpoint, weights_only=False)
-        missing = [k for k in _CHECKPOINT_KEYS if not isinstance(st, dict) or k not in st]
-        if missing:
-            raise ValueError(f"no {', '.join(missing)}")
-        return st
-    except Exception as e:  # noqa: BLE001 - any unreadable file: start over, never crash on it
-        why = (str(e).splitlines() or [type(e).__name__])[0][:160]
-        where = checkpoint
-        if par.is_rank0 and os.path.exists(checkpoint):
-            where = str(set_aside(checkpoint, "corrupt"))
-        log(
-            f"search: checkpoint {checkpoint} cannot be read ({type(e).__name__}: {why}); "
-            f"set aside as {where}; starting from step 0"
-        )
-        return None
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "router": self.opt.state_dict(),
+            "weights": self.wopt.state_dict() if self.wopt is not None else None,
+            "gen": self.gen.get_state(),
+        }
 
-
-def _load_weights(checkpoint: str, par: Parallel, st: dict[str, Any]) -> dict[str, Any]:
-    """The shared weights saved with router checkpoint ``st`` for this rank's shard."""
-    if par.world == 1:
-        if "weights" not in st:
-            raise ValueError(
-                f"search checkpoint {checkpoint} holds no shared weights but train_weights is on; "
-                f"delete {checkpoint} to start over"
-            )
-        return st
-    if st.get("weights_layout") != par.layout:
-        raise ValueError(
-            f"search checkpoint {checkpoint} was written with layout {st.get('weights_layout')}, this "
-            f"run has {par.layout}: resume with the same cluster.tp/ep/pp and processes, or delete "
-            f"{checkpoint} to start over"
-        )
-    path = _shard_file(checkpoint, par, int(st["step"]))
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"search checkpoint {checkpoint} (step {st['step']}) has no weight shard {path}; "
-            f"delete {checkpoint} to start over"
-        )
-    try:
-        return torch.load(path, weights_only=False)
-    except Exception as e:  # noqa: BLE001 - truncated / corrupted: name it and the fix, no traceback
-        raise ValueError(
-            f"search checkpoint shard {path} cannot be read ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}); "
-            f"delete {checkpoint} and its shards to start over"
-        ) from None
+    def load_state_dict(self, st: dict[str, Any]) -> None:
+        self.opt.load_state_dict(st["router"])
+        if self.wopt is not None:
+            if st.get("weights") is None:
+                raise ValueError("the search checkpoint holds no shared-weight optimizer but train_weights is on")
+            self.wopt.load_state_dict(st["weights"])
+        self.gen.set_state(st["gen"])
 
 
 class ParentMeetsBudget(ValueError):
@@ -203,119 +216,167 @@ def run_router_search(
     forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
     cfg: Any,
     seed: int,
-    checkpoint: str | None = None,
+    checkpoint: str | Path | None = None,
     log: Callable[[str], None] = print,
     router_init: str = "uniform",
+    flops_per_token: float = 0.0,
 ) -> SearchOutcome:
-    """Train the router for ``cfg.steps`` steps; resumable from ``checkpoint``."""
-    supernet = Supernet(model, parent, decisions)
+    """Train the router for ``cfg.steps`` steps, or until its choice has settled
+    (``cfg.settle_steps``, ``router.settled``), on the one trainer (``distill.recover.train``, the
+    loop of local reconstruction, recovery and pretraining): its checkpoints (``<checkpoint>/
+    checkpoints``, every ``cfg.checkpoint_every`` steps and at the end), exact resume, progress and
+    TensorBoard. ``checkpoint``: the directory; ``None`` keeps them in a temporary one."""
+    from autocompress_nemo.distill.recover import train
+
     router = Router(decisions, init=router_init)
-    opt = torch.optim.Adam(router.parameters(), lr=cfg.router_lr)
-    weight_params = [p for p in model.parameters()] if cfg.train_weights else []
+    train_weights = bool(cfg.train_weights)
     for p in model.parameters():
-        p.requires_grad_(bool(cfg.train_weights))
-    wopt = torch.optim.Adam(weight_params, lr=cfg.weight_lr) if weight_params else None
+        p.requires_grad_(train_weights)
+    penalty = _penalty(router, parent, decisions, costs, budgets, cfg)
+    weights = list(model.parameters()) if train_weights else []
     gen = torch.Generator().manual_seed(seed)
-    options = [list(d.options) for d in decisions]
-    par = Parallel.detect()
-    router_params = list(router.parameters())
-    start, trajectory, tokens = 0, [], 0
-    st = _read_checkpoint(checkpoint, par, log) if checkpoint and os.path.exists(checkpoint) else None
-    if st is not None and not all(bool(torch.isfinite(v).all()) for v in st["router"].values()):
-        log(f"search: checkpoint {checkpoint} holds non-finite router logits; starting from step 0")
-        st = None
-    if st is not None:
-        try:
-            router.load_state_dict(st["router"])
-        except (RuntimeError, KeyError) as e:  # another search space: the pipeline's fingerprint prevents it
-            raise ValueError(
-                f"search checkpoint {checkpoint} holds a router of another search space ({str(e).splitlines()[0]}); "
-                f"delete {checkpoint} to start over"
-            ) from None
-        opt.load_state_dict(st["opt"])
-        gen.set_state(st["gen"])
-        start, trajectory, tokens = st["step"], st["trajectory"], st["tokens"]
-        if wopt is not None:
-            w = _load_weights(checkpoint, par, st)
-            model.load_state_dict(w["weights"], strict=False)
-            wopt.load_state_dict(w["wopt"])
-        log(f"search: resumed at step {start}")
-    t0 = time.time()
-    skipped = 0
-    for step in range(start, cfg.steps):
-        tau = temperature(step, cfg.steps, cfg.tau_start, cfg.tau_end)
-        x = batch_at(step)
-        rows = _local_rows(x, par)
-        supernet.enabled = False
-        with torch.no_grad():
-            t_logits = forward(model, rows)
-        supernet.enabled = True
-        sample = router.sample(tau, gen)
-        supernet.set_choice_weights(sample)
-        s_logits = forward(model, rows)
-        kd = kd_loss(s_logits, t_logits, cfg.kd_temperature)
-        opt.zero_grad(set_to_none=True)
-        if wopt is not None:
-            wopt.zero_grad(set_to_none=True)
-        kd.backward()
-        _reduce_router_grads(router_params, par)
-        if wopt is not None and par.world > 1:
-            reduce_gradients(weight_params, par)
-        probs = router.probs()
-        exp = costs.expected(options, probs, parent)
-        pen = sum(
-            two_sided_penalty(exp[m], b, cfg.penalty_over, cfg.penalty_under, cfg.slack) for m, b in budgets.items()
-        )
-        if torch.is_tensor(pen) and pen.requires_grad:
-            pen.backward()
-        # A non-finite gradient (reduced: the same verdict on every rank) skips the update instead
-        # of turning the router's logits into NaN, as a loss scaler skips an overflowing step.
-        checked = router_params + (weight_params if wopt is not None else [])
-        finite = torch.tensor([float(all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in checked))])
-        if par.world > 1:  # expert weights differ per rank: every rank takes the same verdict
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        finite = bool(finite.item())
-        if finite:
-            opt.step()
-            if wopt is not None:
-                wopt.step()
-        else:
-            skipped += 1
-            log(f"search step {step + 1}: non-finite router gradient, update skipped ({skipped} so far)")
-        tokens += x.numel()
-        row = {
-            "step": step,
-            "tau": tau,
-            "kd": par.mean_over_dp(float(kd.detach())),
-            "penalty": float(pen.detach()) if torch.is_tensor(pen) else float(pen),
-            "entropy": router.entropy(),
-            "skipped": not finite,
-            **{f"expected_{m}": float(exp[m].detach()) for m in budgets},
-            **{f"budget_{m}": b for m, b in budgets.items()},
-        }
-        trajectory.append(row)
-        if step % max(1, cfg.steps // 20) == 0 or step == cfg.steps - 1:
-            log(
-                f"search step {step + 1}/{cfg.steps} kd={row['kd']:.4f} pen={row['penalty']:.4f} "
-                f"H={row['entropy']:.2f} tau={tau:.3f} "
-                + " ".join(f"{m}={float(exp[m].detach()):.4g}/{b:.4g}" for m, b in budgets.items())
+    opt = RouterOptimizer(router, weights, cfg, Parallel.detect(), penalty, gen, log)
+    b, t = batch_at(0).shape
+    run_cfg = SimpleNamespace(
+        tokens=int(cfg.steps) * b * t,
+        batch_size=b,
+        seq_len=t,
+        checkpoint_every=int(cfg.checkpoint_every or 0),
+        keep_checkpoints=1,
+    )
+    supernet = Supernet(model, parent, decisions)
+    objective = _router_objective(model, supernet, router, opt, parent, decisions, costs, budgets, forward, cfg, log)
+    objective.fingerprint.update(router_init=router_init)
+    try:
+        with _directory(checkpoint) as ckpt_dir:
+            result = train(
+                _Trained(router, model if train_weights else None),
+                objective,
+                batch_at,
+                run_cfg,
+                ckpt_dir,
+                seed,
+                optimizer=opt,
+                log=log,
+                name="search",
+                flops_per_token=flops_per_token,
             )
-        if checkpoint and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            st = {
-                "router": router.state_dict(),
-                "opt": opt.state_dict(),
-                "gen": gen.get_state(),
-                "step": step + 1,
-                "trajectory": trajectory,
-                "tokens": tokens,
-            }
-            weights = {"weights": model.state_dict(), "wopt": wopt.state_dict()} if wopt is not None else None
-            _save_checkpoint(checkpoint, par, st, weights)
-    supernet.remove()
+    finally:
+        supernet.remove()
     return SearchOutcome(
         choices=router.choices(),
         probs=[p.detach().tolist() for p in router.probs()],
-        trajectory=trajectory,
-        tokens=tokens,
-        wall_s=time.time() - t0,
+        trajectory=result["history"],
+        tokens=int(result["tokens"]),
+        wall_s=float(result["wall_s"]),
+        stopped=result["stopped"],
+    )
+
+
+@contextlib.contextmanager
+def _directory(path: str | Path | None) -> Iterator[str | Path]:
+    """``path``, or a temporary directory removed afterwards when it is ``None``."""
+    if path is not None:
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="acn-router-") as tmp:
+        yield tmp
+
+
+def _penalty(
+    router: Router,
+    parent: ArchSpec,
+    decisions: list[Decision],
+    costs: CostFunctions,
+    budgets: dict[str, float],
+    cfg: Any,
+) -> Callable[[], tuple[Any, dict[str, torch.Tensor]]]:
+    """The two-sided budget penalty on the router's expected costs, and those costs."""
+    options = [list(d.options) for d in decisions]
+
+    def penalty() -> tuple[Any, dict[str, torch.Tensor]]:
+        exp = costs.expected(options, router.probs(), parent)
+        pen = sum(
+            two_sided_penalty(exp[m], b, cfg.penalty_over, cfg.penalty_under, cfg.slack) for m, b in budgets.items()
+        )
+        return pen, exp
+
+    return penalty
+
+
+_ROUTER_KEYS = (
+    "steps",
+    "router_lr",
+    "weight_lr",
+    "train_weights",
+    "tau_start",
+    "tau_end",
+    "penalty_over",
+    "penalty_under",
+    "slack",
+    "kd_temperature",
+    "settle_steps",
+)
+
+
+def _router_objective(
+    model: torch.nn.Module,
+    supernet: Supernet,
+    router: Router,
+    opt: RouterOptimizer,
+    parent: ArchSpec,
+    decisions: list[Decision],
+    costs: CostFunctions,
+    budgets: dict[str, float],
+    forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+    cfg: Any,
+    log: Callable[[str], None],
+) -> Any:
+    """The router's objective on the trainer: per step a temperature and a Gumbel sample of the
+    masks, the KD loss of the masked supernet to the same model with masks off, and a row with the
+    penalty, expected costs, entropy and the hard choice; it stops when the choice has settled."""
+    from autocompress_nemo.distill.recover import Objective
+
+    steps, patience = int(cfg.steps), int(getattr(cfg, "settle_steps", 0) or 0)
+    now: dict[str, Any] = {}
+
+    def begin_step(step: int) -> None:
+        now.update(step=step, tau=temperature(step, steps, cfg.tau_start, cfg.tau_end))
+        supernet.set_choice_weights(router.sample(now["tau"], opt.gen))
+
+    def loss(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        supernet.enabled = False
+        with torch.no_grad():
+            t_logits = forward(model, x)
+        supernet.enabled = True
+        kd = kd_loss(forward(model, x), t_logits, cfg.kd_temperature)
+        return kd, {"kd": float(kd.detach())}
+
+    def extras() -> dict[str, Any]:
+        hard = router.choices()
+        row = {
+            "tau": now["tau"],
+            **opt.last,
+            "entropy": router.entropy(),
+            **{f"budget_{m}": b for m, b in budgets.items()},
+            "choice": hard,
+        }
+        if patience > 0:
+            cost = costs.predict(apply_choices(parent, decisions, hard))
+            row["choice_fits"] = all(cost[m] <= b * (1 + cfg.slack) for m, b in budgets.items())
+        step = now["step"]
+        if step % max(1, steps // 20) == 0 or step == steps - 1:
+            log(
+                f"search step {step + 1}/{steps} pen={row['penalty']:.4f} H={row['entropy']:.2f} tau={now['tau']:.3f} "
+                + " ".join(f"{m}={row[f'expected_{m}']:.4g}/{b:.4g}" for m, b in budgets.items())
+            )
+        return row
+
+    return Objective(
+        "router",
+        loss,
+        {**{k: getattr(cfg, k, None) for k in _ROUTER_KEYS}, "budgets": {m: float(b) for m, b in budgets.items()}},
+        begin_step=begin_step,
+        extras=extras,
+        stop=lambda history: settled(history, steps, patience),
     )

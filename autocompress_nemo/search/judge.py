@@ -70,7 +70,6 @@ class KdJudge:
         temperature: float = 1.0,
     ):
         from autocompress_nemo.distill.optim import Parallel
-        from autocompress_nemo.search.autocompress import _local_rows
         from autocompress_nemo.search.supernet import Supernet
 
         if not batches:
@@ -78,7 +77,7 @@ class KdJudge:
         self.model, self.forward, self.temperature = model, forward, float(temperature)
         self.decisions = decisions
         self.par = Parallel.detect()
-        self.rows = [_local_rows(b, self.par) for b in batches]
+        self.rows = [local_rows(b, self.par) for b in batches]
         self.tokens = sum(int(b.numel()) for b in batches)
         self.supernet = Supernet(model, parent, decisions)
         self.supernet.enabled = False
@@ -163,6 +162,14 @@ class KdJudge:
     def close(self) -> None:
         self.supernet.remove()
         self.teacher = []
+
+
+def local_rows(x_BT: torch.Tensor, par: Any) -> torch.Tensor:
+    """This DP rank's contiguous ``B / dp`` rows of a judge batch; all ``B`` when ``dp`` does not divide ``B``."""
+    if par.dp_size == 1 or x_BT.shape[0] % par.dp_size:
+        return x_BT
+    n = x_BT.shape[0] // par.dp_size
+    return x_BT[par.dp_rank * n : (par.dp_rank + 1) * n]
 
 
 def world_mean(value: float) -> float:

@@ -74,3 +74,22 @@ class Router(torch.nn.Module):
     def entropy(self) -> float:
         with torch.no_grad():
             return float(sum(-(p * torch.log(p.clamp_min(1e-12))).sum() for p in self.probs()))
+
+
+def settled(trajectory: list[dict], steps: int, patience: int) -> str | None:
+    """Why the router may stop after the last row of ``trajectory``, or ``None`` to go on.
+
+    The rule (``search.settle_steps`` = ``patience``; 0 turns it off): the hard choice — the argmax
+    option of every decision, ``row["choice"]``, which is what settle / repair start from — has been
+    the same for ``patience`` consecutive steps, the child it names is within ``search.slack`` of
+    every budget by the table (``row["choice_fits"]``; the argmax of a router whose expected cost
+    meets a budget often lies a few per cent over it, and settle's repair closes that), and at least
+    half of ``steps`` are done, so the first half of the temperature anneal always runs. A pure function of the checkpointed trajectory: a resumed
+    search stops at the same step."""
+    done = len(trajectory)
+    if patience <= 0 or done < max(patience, (steps + 1) // 2) or done >= steps:
+        return None
+    last = trajectory[-patience:]
+    if all(r.get("choice") == last[-1].get("choice") and r.get("choice_fits") for r in last):
+        return f"the router's choice has been the same for {patience} steps, within the slack of the budget"
+    return None

@@ -53,8 +53,7 @@ def sliced_kd(
     (``stages.search.settle_choices``): the number the quality guard judged, recomputed on the real child."""
     from autocompress_nemo.distill.kd import kd_loss
     from autocompress_nemo.distill.optim import Parallel
-    from autocompress_nemo.search.autocompress import _local_rows
-    from autocompress_nemo.search.judge import world_mean
+    from autocompress_nemo.search.judge import local_rows, world_mean
 
     s, par = ctx.cfg.search, Parallel.detect()
     teacher, student = ctx.model(spec, sd), ctx.model(child, child_sd)
@@ -63,7 +62,7 @@ def sliced_kd(
     vals = []
     with torch.no_grad():
         for b in judge_batches(ctx):
-            x = _local_rows(b, par)
+            x = local_rows(b, par)
             vals.append(float(kd_loss(ctx.forward(student, x), ctx.forward(teacher, x), float(s.kd_temperature))))
     return world_mean(sum(vals) / len(vals))
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from autocompress_nemo.arch.counts import param_count
+from autocompress_nemo.arch.counts import forward_flops_per_token, param_count
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.blocks import describe
 from autocompress_nemo.context import Context, load_weights, read_json
@@ -140,9 +140,17 @@ def search_core(
 
         shared = (model, spec, decisions, costs, budget, batch_at, ctx.forward, s)
         if meth.router:
-            ckpt = str(ckpt_dir / "router.pt")
-            init = str(s.router_init)
-            outcome = run_router_search(*shared, seed=int(cfg.seed), checkpoint=ckpt, log=ctx.say, router_init=init)
+            # per token: the unmasked (teacher) forward, the masked forward and its backward to the router
+            # logits (input gradients only, ~1 forward; with the shared weights trained, ~2)
+            flops = (4.0 if bool(s.train_weights) else 3.0) * forward_flops_per_token(spec, seq)
+            outcome = run_router_search(
+                *shared,
+                seed=int(cfg.seed),
+                checkpoint=ckpt_dir,
+                log=ctx.say,
+                router_init=str(s.router_init),
+                flops_per_token=flops,
+            )
             if family and supernet is None and bool(s.train_weights):  # the first budget: keep the trained supernet
                 save_supernet(ctx, spec, model, out)
             if bool(s.train_weights) or start_sd is not sd:
@@ -190,6 +198,25 @@ def search_core(
         predictor.table.label,
     )
     rec.update(budget_reference=how, params=param_count(child), search_wall_s=round(outcome.wall_s, 2))
+    rec.update(_how_it_was_chosen(meth, outcome, settler, verified, steps))
+    if family:
+        rec["family"] = family_record(s, method, supernet is None, outcome, read, steps)
+    art = SearchDir(out)
+    write_json_atomic(art.arch, rec)
+    write_json_atomic(art.trajectory, outcome.trajectory)
+    _plot_trajectory(outcome.trajectory, art.trajectory_plot, method)
+    ctx.say(
+        f"[search:{method}] chose {describe(child)} params {param_count(child):,} predicted "
+        + ", ".join(f"{m}={pred[m]:.4g}/{b:.4g}" for m, b in budget.items())
+    )
+
+
+def _how_it_was_chosen(meth: Any, outcome: Any, settler: Any, verified: Any, steps: int) -> dict[str, Any]:
+    """``arch.json``'s account of the choice: router steps run, engine checks, quality guards, the
+    judge's calls and tokens, Minitron++'s depth axis."""
+    rec: dict[str, Any] = {}
+    if meth.router:
+        rec["router_steps"] = {"done": len(outcome.trajectory), "planned": steps, "stopped": outcome.stopped}
     if verified:
         rec["verified_in_engine"] = verified
     if settler.guards:
@@ -200,18 +227,9 @@ def search_core(
         "calls": int(getattr(settler.judge, "calls", 0)),
         "tokens": int(getattr(settler.judge, "tokens", 0)),
     }
-    if family:
-        rec["family"] = family_record(s, method, supernet is None, outcome, read, steps)
     if hasattr(outcome, "record"):  # Minitron++'s depth axis (search/minitron.py)
         rec["minitron"] = outcome.record()
-    art = SearchDir(out)
-    write_json_atomic(art.arch, rec)
-    write_json_atomic(art.trajectory, outcome.trajectory)
-    _plot_trajectory(outcome.trajectory, art.trajectory_plot, method)
-    ctx.say(
-        f"[search:{method}] chose {describe(child)} params {param_count(child):,} predicted "
-        + ", ".join(f"{m}={pred[m]:.4g}/{b:.4g}" for m, b in budget.items())
-    )
+    return rec
 
 
 def frozen_router_settings(s: Any, steps: int) -> Any:
