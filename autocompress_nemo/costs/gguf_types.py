@@ -226,14 +226,3 @@ NVFP4 scales blocks of 16 inputs and asserts ``in_features % scaling_vector_size
 ``tensorrt_llm/quantization/layers.py`` ``FP4Linear``: "Input features must be a multiple of 16
 for FP4 GEMM"); FP8 (per-tensor scales) runs cuBLASLt / CUTLASS FP8 GEMMs whose 16-byte operand
 alignment is 16 FP8 elements."""
-
-
-def quant_ffn_align(engine_name: str, dtype: str) -> int:
-    """The multiple an ffn width must be so the engine stores ``down`` in ``dtype`` without a
-    fallback: llama.cpp, the row block of ffn_down's type (32 for Q8_0 / Q4_0 / Q4_1, 256 for
-    Q4_K_M, 1 for F16 / F32); TensorRT-LLM / vLLM, ``GPU_ROW_ALIGN`` (estimated); else 1."""
-    if engine_name == "llama_cpp" and dtype in LLAMA_CPP_DTYPES:
-        return row_align(dtype, "ffn_down")
-    if engine_name in ("trtllm", "vllm"):
-        return GPU_ROW_ALIGN.get(dtype, 1)
-    return 1

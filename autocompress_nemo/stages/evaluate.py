@@ -12,6 +12,7 @@ import torch
 from autocompress_nemo.arch.counts import param_count
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.context import Context, load_weights
+from autocompress_nemo.costs.engines import engine_class, get_engine
 from autocompress_nemo.stages.common import budgets, budgets_measured, load_table, measured_metrics, numbers
 from autocompress_nemo.stages.declare import DATA, LAYOUT, STUDENT, Inputs, Stage, reads
 from autocompress_nemo.stages.layout import EvaluateDir, ExportDir, ProfileDir, ValidateDir
@@ -110,7 +111,6 @@ def run(
     next to the predictions — for the parent and every student, measured in one interleaved session.
     A student exported as a GGUF file also gets its held-out perplexity measured on that file in
     llama.cpp, next to the PyTorch figure."""
-    from autocompress_nemo.costs.engines import get_engine
     from autocompress_nemo.costs.engines.base import Workload
     from autocompress_nemo.costs.predictor import Predictor
 
@@ -168,7 +168,7 @@ def run(
         on_file["lm_eval"] = lm_eval_scores(ctx, GgufModel(files[0]), gguf_forward)
         results["models"][name]["accuracy_exported"] = on_file
     dtype = str(cfg.target.engine.get("dtype", "f16"))
-    if str(cfg.target.engine.name) == "llama_cpp" and _is_quantized(dtype):
+    if engine_class(str(cfg.target.engine.name)).own_quantizer and _is_quantized(dtype):
         quantization_costs(ctx, models, exports or {}, results["models"], dtype, out / "quantization_work")
     engine = get_engine(cfg.target, workdir=out / "engine_work")
     wl = Workload.from_config(cfg.target.workload)

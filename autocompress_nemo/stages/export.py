@@ -14,6 +14,7 @@ import torch
 
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.context import Context, load_weights
+from autocompress_nemo.costs.engines import engine_class, get_engine
 from autocompress_nemo.export.gguf_hybrid import gguf_problems, is_hybrid
 from autocompress_nemo.stages.declare import DATA, LAYOUT, STUDENT, Stage, reads
 from autocompress_nemo.stages.layout import DistillDir, ExportDir
@@ -65,7 +66,6 @@ def export_engine_parity(ctx: Context, spec: ArchSpec, sd: dict[str, torch.Tenso
     """The exported Hugging Face student loaded by the target's engine (vLLM / TensorRT-LLM, in its own
     process) with its real weights: its top-20 log-probabilities at every position of the held-out parity
     sequence against the project's student. Beyond the tolerance the export fails."""
-    from autocompress_nemo.costs.engines import get_engine
     from autocompress_nemo.export.parity import ExportParityError
 
     engine = get_engine(ctx.cfg.target, workdir=art.dir / "engine_work")
@@ -106,7 +106,7 @@ def run(ctx: Context, out: Path, student: DistillDir) -> None:
     spec, sd = load_weights(student.dir)
     art = ExportDir(out)
     ctx.export_hf(spec, sd, art.hf)
-    llama_cpp = str(ctx.cfg.target.engine.name) == "llama_cpp"
+    llama_cpp = engine_class(str(ctx.cfg.target.engine.name)).student_format == "gguf"
     if is_hybrid(spec):
         ctx.say(
             f"[export] Nemotron-H Hugging Face directory ({'uniform' if spec.is_uniform() else 'Puzzle per-block'}) "

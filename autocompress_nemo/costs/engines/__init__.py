@@ -9,12 +9,30 @@ which no serving engine here runs; not a production serving engine).
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
 from autocompress_nemo.costs.engines.base import Engine, Measurement, Workload, capability_problems
 
 ENGINES = ("llama_cpp", "vllm", "trtllm", "roofline", "torch_eager")
+_CLASSES = {
+    "llama_cpp": "llamacpp.LlamaCppEngine",
+    "vllm": "vllm.VllmEngine",
+    "trtllm": "trtllm.TrtllmEngine",
+    "roofline": "roofline.RooflineEngine",
+    "torch_eager": "torch_eager.TorchEagerEngine",
+}
+
+
+def engine_class(name: str) -> type[Engine]:
+    """The adapter class of engine ``name``: its class attributes and class methods answer what the
+    rest of the package asks an engine (student file format, own quantizer, norm dtype, ffn
+    alignment, config problems) without building one. Its module imports no engine library."""
+    if name not in _CLASSES:
+        raise ValueError(f"target.engine.name={name!r} is not a known engine; use one of {ENGINES}")
+    module, cls = _CLASSES[name].split(".")
+    return getattr(importlib.import_module(f"autocompress_nemo.costs.engines.{module}"), cls)
 
 
 def get_engine(target: Any, workdir: str | Path | None = None) -> Engine:
@@ -43,4 +61,4 @@ def get_engine(target: Any, workdir: str | Path | None = None) -> Engine:
     raise ValueError(f"target.engine.name={name!r} is not a known engine; use one of {ENGINES}")
 
 
-__all__ = ["ENGINES", "Engine", "Measurement", "Workload", "capability_problems", "get_engine"]
+__all__ = ["ENGINES", "Engine", "Measurement", "Workload", "capability_problems", "engine_class", "get_engine"]

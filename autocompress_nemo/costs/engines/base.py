@@ -223,6 +223,38 @@ class Engine:
     estimated = False
     decode_steps = 64
     """Timed decode steps when ``settings.decode_steps`` is 0."""
+    student_format = "hf"
+    """The file the engine loads a student from: ``hf`` (a Hugging Face directory) or ``gguf``; the
+    export stage writes it (``stages/export.py``)."""
+    own_quantizer = False
+    """Quantized ``engine.dtype`` values are produced by the engine's own quantizer, and the student is
+    evaluated on that quantized file (llama.cpp)."""
+    kv_cell_align = 0
+    """The engine allocates KV cells in multiples of this (llama.cpp: 256); 0: exactly context x batch."""
+    gpu_only = False
+    """It runs on NVIDIA GPUs only (TensorRT-LLM)."""
+
+    # -- what the rest of the package asks an engine without building one (``engine_class(name)``) --
+    @classmethod
+    def norm_dtype(cls, dtype: str) -> str:
+        """The dtype the engine stores norm weights in, for weights of ``dtype``."""
+        return dtype
+
+    @classmethod
+    def ffn_align(cls, dtype: str) -> int:
+        """The multiple an ffn width must be so the engine stores ``down`` in ``dtype`` without a fallback type."""
+        return 1
+
+    @classmethod
+    def target_problems(cls, engine: dict[str, Any], hardware: dict[str, Any]) -> list[str]:
+        """What this engine cannot do with the target's ``engine`` / ``hardware`` sections (plain
+        dicts, before anything is built): checked by ``config/validate.py``."""
+        return []
+
+    @classmethod
+    def model_problems(cls, engine: dict[str, Any], model: dict[str, Any], hardware: dict[str, Any]) -> list[str]:
+        """What this engine cannot serve of the configured ``model`` section (``config/validate.py``)."""
+        return []
 
     def __init__(self, cfg: Any, hardware: Any = None) -> None:
         self.cfg: EngineConfig = engine_config_of(cfg)

@@ -26,6 +26,7 @@ from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.costs import memory as mem
 from autocompress_nemo.costs.engines.base import Engine, Measurement, Workload
 from autocompress_nemo.costs.engines.worker import run_worker, script_command
+from autocompress_nemo.costs.gguf_types import GPU_ROW_ALIGN
 
 
 class HfLlmEngine(Engine):
@@ -33,6 +34,11 @@ class HfLlmEngine(Engine):
 
     worker = ""
     """The worker script's file name in ``workers/``."""
+
+    @classmethod
+    def ffn_align(cls, dtype: str) -> int:
+        """``GPU_ROW_ALIGN`` (FP8 / NVFP4: 16 elements, estimated)."""
+        return GPU_ROW_ALIGN.get(dtype, 1)
 
     def __init__(self, cfg: Any, hardware: Any = None, workdir: str | Path | None = None) -> None:
         super().__init__(cfg, hardware)

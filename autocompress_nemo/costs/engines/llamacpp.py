@@ -56,6 +56,7 @@ import numpy as np
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.costs.engines.base import CpuTimedEngine, Measurement, Workload
 from autocompress_nemo.costs.engines.paired import interleave
+from autocompress_nemo.costs.gguf_types import LLAMA_CPP_DTYPES, check_dtype, is_quantized, row_align
 from autocompress_nemo.export.gguf_hybrid import gguf_problems, is_hybrid
 
 _MIB = 1024.0 * 1024.0
@@ -133,6 +134,27 @@ def parse_memory_log(text: str, tensor_bytes: dict[str, int] | None = None) -> d
 class LlamaCppEngine(CpuTimedEngine):
     name = "llama_cpp"
     decode_steps = 160
+    student_format = "gguf"
+    own_quantizer = True
+    kv_cell_align = 256
+
+    @classmethod
+    def norm_dtype(cls, dtype: str) -> str:
+        return "f32"  # llama.cpp's GGUF keeps norms in F32 whatever the weights' type
+
+    @classmethod
+    def ffn_align(cls, dtype: str) -> int:
+        """The row block of ffn_down's type (32 for Q8_0 / Q4_0 / Q4_1, 256 for Q4_K_M, 1 for F16 / F32)."""
+        return row_align(dtype, "ffn_down") if dtype in LLAMA_CPP_DTYPES else 1
+
+    @classmethod
+    def target_problems(cls, engine: dict[str, Any], hardware: dict[str, Any]) -> list[str]:
+        if str(engine.get("dtype", "")) in LLAMA_CPP_DTYPES:
+            return []
+        return [
+            f"target.engine.dtype={engine.get('dtype')!r} is not a llama.cpp dtype here; use one of "
+            f"{', '.join(LLAMA_CPP_DTYPES)} (quantized by llama.cpp's own quantizer)"
+        ]
 
     def __init__(
         self, cfg: Any, hardware: Any = None, workdir: str | Path | None = None, *, in_worker: bool = False
@@ -171,7 +193,6 @@ class LlamaCppEngine(CpuTimedEngine):
         ``engine.dtype``, quantized in place by llama.cpp's own quantizer (``export/quantize.py``:
         the per-tensor types, fallbacks included, are llama.cpp's). Returns the tensor type table
         of a quantized file (None for f16 / f32)."""
-        from autocompress_nemo.costs.gguf_types import is_quantized
         from autocompress_nemo.export.gguf import write_gguf
         from autocompress_nemo.export.quantize import quantize_gguf
 
@@ -197,8 +218,6 @@ class LlamaCppEngine(CpuTimedEngine):
     @property
     def dtype(self) -> str:
         """``engine.dtype``, checked: f16, f32, q8_0, q4_1, q4_0 or q4_k_m."""
-        from autocompress_nemo.costs.gguf_types import check_dtype
-
         return check_dtype(str(self.cfg.dtype))
 
     def measure(

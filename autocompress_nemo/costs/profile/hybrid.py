@@ -58,7 +58,7 @@ def build_hybrid_table(
         specs, results, blocks, intercept, runs, extra = hybrid_differences(engine, parent, workload, options, log)
     base = results[0]  # the parent, in both designs
     dtype = str(engine.cfg.dtype)
-    norm_dtype = "f32" if engine.name == "llama_cpp" else dtype
+    norm_dtype = engine.norm_dtype(dtype)
     comp = [m.memory.get("compute", 0.0) for m in results]
     memory = {
         "output_bytes": base.memory.get("output", 0.0),
@@ -68,8 +68,8 @@ def build_hybrid_table(
         "compute_median_bytes": float(np.median(comp)) if comp else 0.0,
         "weights_overhead_bytes": base.memory.get("weights", 0.0) - weight_bytes(parent, dtype, norm_dtype),
         # KV cells the engine allocates for B x C tokens (llama.cpp: a multiple of 256)
-        "kv_tokens": kv_tokens(base, parent, workload, str(engine.cfg.kv_dtype), 256)
-        if engine.name == "llama_cpp"
+        "kv_tokens": kv_tokens(base, parent, workload, str(engine.cfg.kv_dtype), engine.kv_cell_align)
+        if engine.kv_cell_align
         else workload.context_len * workload.batch,
         "norm_dtype": norm_dtype,
         # conv-state columns beyond K-1 that the engine keeps (transformers: K), from the base's state

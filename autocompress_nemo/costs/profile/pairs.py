@@ -203,7 +203,7 @@ def build_pairs_table(
             workload,
             str(engine.cfg.kv_dtype),
         ),
-        "norm_dtype": "f32" if engine.name == "llama_cpp" else dtype,
+        "norm_dtype": engine.norm_dtype(dtype),
     }
     settings = dataclasses.asdict(s)
     settings.update({"percentile": float(engine.cfg.percentile), "k1": plan.k1, "k2": plan.k2})
