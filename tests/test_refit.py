@@ -153,3 +153,68 @@ def test_grams_at_tp2_equal_tp1() -> None:
         assert set(grams) == set(ref)
         for i in ref:
             assert torch.allclose(grams[i], ref[i], rtol=1e-5, atol=1e-6 * float(ref[i].abs().max())), i
+
+
+def test_sequential_refit_solves_each_block_on_the_students_own_inputs() -> None:
+    """``extract.refit=sequential``: every re-fit block's projection is the least-squares map from
+    the inputs the re-fit student itself feeds that block (its earlier blocks already re-fit) to what
+    the parent's block wrote on the parent's inputs; the first block equals the parallel re-fit (its
+    inputs are the parent's), the removed blocks 3 and 4 are passed through, and the student is
+    closer to the parent than the plain slice."""
+    from autocompress_nemo.blocks import kind_of
+    from autocompress_nemo.distill.kd import kd_loss
+    from autocompress_nemo.extract.compensate import sequential_refit
+    from autocompress_nemo.models.hybrid.names import hf_names
+
+    spec = tiny_hetero_spec()
+    sd = random_hf_state_dict(spec, seed=1, std=0.2)
+    child = _narrow(spec)
+    blocks = refit_blocks(spec, child)
+    parent_m = megatron_from_hf(spec, sd)
+    batches = _batches(spec.vocab)
+    child_sd = slice_state_dict(spec, sd, child)
+    live = megatron_from_hf(child, child_sd)
+    seq_sd, recs, tokens = sequential_refit(parent_m, live, spec, sd, child, child_sd, batches, forward_logits, 0.0)
+    assert tokens == sum(b.numel() for b in batches)
+    assert [r["block"] for r in recs] == sorted(blocks) and not any(r.get("kept_slice") for r in recs)
+    grams, _ = collect_grams(parent_m, spec, blocks, batches, forward_logits)
+    par_sd, _ = refit_state_dict(spec, sd, child, child_sd, grams, ridge=0.0)
+    names = hf_names(spec)
+    first = names.key(0, blocks[0][0], None)
+    assert torch.allclose(seq_sd[first], par_sd[first], atol=1e-4)
+
+    student = megatron_from_hf(child, seq_sd)  # the final student: block i's inputs are what the re-fit saw
+    cap: dict[str, list[torch.Tensor]] = {}
+
+    def hook(tag: str):  # noqa: ANN202
+        return lambda m, a: cap.setdefault(tag, []).append(a[0].reshape(-1, a[0].shape[-1]).double())
+
+    hs = [
+        kind_of(spec.blocks[i]).refit_site(block_layers(parent_m)[i]).register_forward_pre_hook(hook(f"p{i}"))
+        for i in blocks
+    ]
+    hs += [
+        kind_of(child.blocks[i]).refit_site(block_layers(student)[i]).register_forward_pre_hook(hook(f"s{i}"))
+        for i in blocks
+    ]
+    with torch.no_grad():
+        for b in batches:
+            forward_logits(parent_m, b)
+            forward_logits(student, b)
+    for h in hs:
+        h.remove()
+    for i, (role, _kept) in blocks.items():
+        w = sd[names.key(i, role, None)].double()
+        xs, xp = torch.cat(cap[f"s{i}"]), torch.cat(cap[f"p{i}"])
+        ref = torch.linalg.lstsq(xs, xp @ w.T).solution.T
+        got = seq_sd[names.key(i, role, None)].double()
+        assert torch.allclose(got, ref, atol=2e-4, rtol=1e-3), (i, (got - ref).abs().max())
+    for r in recs:
+        assert 0 < r["refit_error"] < r["sliced_error"], r
+
+    def kd(weights: dict) -> float:
+        s = megatron_from_hf(child, weights)
+        with torch.no_grad():
+            return sum(float(kd_loss(forward_logits(s, b), forward_logits(parent_m, b), 1.0)) for b in batches)
+
+    assert kd(seq_sd) < kd(child_sd)

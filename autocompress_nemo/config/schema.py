@@ -197,6 +197,10 @@ class SearchConfig:
     proxy: the share of the sorted parent's importance dropped)."""
     judge_batches: int = 1
     """Calibration batches (``batch_size`` x ``judge_seq_len`` tokens each) the KD judge scores on."""
+    judge_refit: bool = False
+    """The KD judge scores each child as extract will start it: its narrowed output projections
+    re-fit by least squares (``extract.refit``'s calibration batches and ridge;
+    ``search.judge.RefitCorrection``) instead of the plain slice (measured in docs/recovery.md)."""
     judge_seq_len: int = 128
     guard_factor: float = 1.0
     """Quality guard: a settled child whose KD exceeds this many times the best uniform child's at
@@ -380,7 +384,9 @@ class ExtractConfig:
     refit: str = "least_squares"
     """How the student's weights start: ``least_squares`` re-fits the output projection of every
     narrowed attention / MLP block to what the parent's whole block wrote, on calibration tokens
-    (``extract/compensate.py``; measured in docs/recovery.md); ``none`` keeps the plain slice."""
+    (``extract/compensate.py``; measured in docs/recovery.md); ``sequential`` re-fits them layer after
+    layer on the inputs the already re-fit student feeds each block (SparseGPT / ZipLM order;
+    measured against ``least_squares`` in docs/recovery.md); ``none`` keeps the plain slice."""
     refit_batches: int = 16
     """Calibration batches of 2 x ``refit_seq_len`` tokens for the re-fit (the train split, a stream
     of its own)."""

@@ -474,8 +474,8 @@ def _check_distill(c: dict, m: dict, t: dict) -> list[str]:
     if d.get("teacher_precision", "fp32") not in ("auto", "fp32", "bf16"):
         p.append(f"distill.teacher_precision={d.get('teacher_precision')!r}: use auto, fp32 or bf16")
     e = c.get("extract") or {}
-    if e.get("refit", "none") not in ("least_squares", "none"):
-        p.append(f"extract.refit={e.get('refit')!r}: use least_squares or none")
+    if e.get("refit", "none") not in ("least_squares", "sequential", "none"):
+        p.append(f"extract.refit={e.get('refit')!r}: use least_squares, sequential or none")
     for key in ("refit_batches", "refit_seq_len"):
         _pos(p, f"extract.{key}", e.get(key, 1))
     if not _number(e.get("ridge", 0)) or e.get("ridge", 0) < 0:

@@ -32,11 +32,11 @@ from autocompress_nemo.distill.recover import Forward, Objective
 LOSSES = ("nmse", "cosine", "both")
 
 
-class _Stop(Exception):
+class StopForward(Exception):
     """Raised after the last layer: the head of the model is not needed."""
 
 
-def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     from autocompress_nemo.models.dist_checkpoint import unwrap
 
     m = unwrap(model)
@@ -46,17 +46,17 @@ def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def _hidden_in(args: tuple, kwargs: dict) -> torch.Tensor:
+def hidden_in(args: tuple, kwargs: dict) -> torch.Tensor:
     return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 
 
-def _hidden_out(output: Any) -> torch.Tensor:
+def hidden_out(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, tuple | list) else output
 
 
 def layer_problem(parent: torch.nn.Module, student: torch.nn.Module) -> str | None:
     """Why the student's layers cannot be taught the parent's one by one (``None``: they can)."""
-    p, s = _layers(parent), _layers(student)
+    p, s = decoder_layers(parent), decoder_layers(student)
     if len(p) != len(s):
         return f"the student has {len(s)} Megatron layers and the parent {len(p)}"
     ph = getattr(getattr(parent, "config", None), "hidden_size", None)
@@ -71,7 +71,7 @@ class LayerTaps:
     each layer the given inputs and record its outputs (``replace`` set per step)."""
 
     def __init__(self, model: torch.nn.Module, stop_after_last: bool = True) -> None:
-        self.layers = _layers(model)
+        self.layers = decoder_layers(model)
         self.inputs: list[torch.Tensor | None] = [None] * len(self.layers)
         self.outputs: list[torch.Tensor | None] = [None] * len(self.layers)
         self.replace: list[torch.Tensor] | None = None
@@ -84,7 +84,7 @@ class LayerTaps:
     def _pre(self, i: int) -> Callable[..., Any]:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
             if self.replace is None:
-                self.inputs[i] = _hidden_in(args, kwargs)
+                self.inputs[i] = hidden_in(args, kwargs)
                 return None
             h = self.replace[i]
             self.inputs[i] = h
@@ -96,16 +96,16 @@ class LayerTaps:
 
     def _post(self, i: int) -> Callable[..., Any]:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            self.outputs[i] = _hidden_out(output)
+            self.outputs[i] = hidden_out(output)
             if self.stop and i == len(self.layers) - 1:
-                raise _Stop
+                raise StopForward
 
         return hook
 
     def run(self, forward: Forward, model: torch.nn.Module, x_BT: torch.Tensor) -> None:
         try:
             forward(model, x_BT)
-        except _Stop:
+        except StopForward:
             pass
 
     def remove(self) -> None:

@@ -120,6 +120,7 @@ class Settler:
         uni, uni_kd, judged = self.uniform_child(target)
         rec: dict[str, Any] = {
             "judge": self.judge.label,
+            "judge_refit": getattr(self.judge, "refit", None) is not None,
             "child_kd": kd,
             "uniform_kd": uni_kd,
             "uniform_choices": uni,

@@ -158,6 +158,14 @@ def judge_batches(ctx: Context) -> list[torch.Tensor]:
     return [ctx.batch_at("calib", i, bs, seq, seed_offset=41) for i in range(int(s.judge_batches))]
 
 
+def refit_batches(ctx: Context) -> list[torch.Tensor]:
+    """The calibration batches of extract's least-squares re-fit (``extract.refit_batches`` of 2 x
+    ``extract.refit_seq_len`` tokens from the train split, a stream of their own), shared with the
+    search's re-fit judge (``search.judge_refit``) so that both re-fit the same way."""
+    e = ctx.cfg.extract
+    return [ctx.batch_at("train", i, 2, int(e.refit_seq_len), seed_offset=71) for i in range(int(e.refit_batches))]
+
+
 def load_table(ctx: Context, table: Path) -> Any:
     """The cost table of the profile stage, checked against this run's target."""
     from autocompress_nemo.profile.stage import load_table as load

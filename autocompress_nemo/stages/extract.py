@@ -12,7 +12,7 @@ from autocompress_nemo.arch.counts import param_count
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.blocks import describe
 from autocompress_nemo.context import Context, load_weights, read_json, save_weights
-from autocompress_nemo.stages.common import JUDGE_READS, judge_batches
+from autocompress_nemo.stages.common import JUDGE_READS, judge_batches, refit_batches
 from autocompress_nemo.stages.declare import LAYOUT, PARENT, Stage, reads
 from autocompress_nemo.stages.layout import ExtractDir, RankDir, SearchDir
 from autocompress_nemo.utils.artifacts import write_json_atomic
@@ -26,7 +26,7 @@ def run(ctx: Context, out: Path, rank: RankDir, search: SearchDir) -> None:
     child = ArchSpec.from_dict(rec["child"])
     child_sd = slice_state_dict(spec, sd, child)
     guard = rec.get("quality_guard")
-    if guard and guard.get("judge") == "kd" and child != spec:
+    if guard and guard.get("judge") == "kd" and not guard.get("judge_refit") and child != spec:
         guard["sliced_kd"] = sliced_kd(ctx, spec, sd, child, child_sd)
         ref = float(guard["final_kd"])
         ctx.say(f"[extract] KD of the sliced student {guard['sliced_kd']:.4f} (the search judged {ref:.4f})")
@@ -35,8 +35,9 @@ def run(ctx: Context, out: Path, rank: RankDir, search: SearchDir) -> None:
                 f"the sliced student's KD to the parent ({guard['sliced_kd']:.4f}) differs from the child the search "
                 f"judged ({ref:.4f}) on the same batches: slicing and the supernet disagree; not training it"
             )
-    if str(ctx.cfg.extract.refit) == "least_squares":
+    if str(ctx.cfg.extract.refit) in ("least_squares", "sequential"):
         child_sd = refit(ctx, spec, sd, child, child_sd, rec)
+        check_refit_judged(ctx, rec)
     art = ExtractDir(out)
     save_weights(out, child, child_sd)
     write_json_atomic(art.arch, rec)
@@ -44,6 +45,21 @@ def run(ctx: Context, out: Path, rank: RankDir, search: SearchDir) -> None:
         f"[extract] {describe(child)}: {param_count(child):,} parameters "
         f"({param_count(child) / param_count(spec):.1%} of the parent)"
     )
+
+
+def check_refit_judged(ctx: Context, rec: dict) -> None:
+    """When the search judged children re-fit (``search.judge_refit``), the re-fit student's KD must be
+    the one the guard judged: the same least-squares solve on the same batches."""
+    guard, fit = rec.get("quality_guard") or {}, rec.get("refit") or {}
+    if not (guard.get("judge_refit") and fit.get("method") == "least_squares" and "refit_kd" in fit):
+        return
+    got, ref = float(fit["refit_kd"]), float(guard["final_kd"])
+    ctx.say(f"[extract] KD of the re-fit student {got:.4f} (the search judged {ref:.4f})")
+    if abs(got - ref) > 0.02 * abs(ref) + 1e-3:
+        raise ValueError(
+            f"the re-fit student's KD to the parent ({got:.4f}) differs from the child the search judged ({ref:.4f}) "
+            "on the same batches: the judge's re-fit and extract's disagree; not training it"
+        )
 
 
 def sliced_kd(
@@ -76,25 +92,44 @@ def refit(
     rec: dict,
 ) -> dict[str, torch.Tensor]:
     """The student's weights with its narrowed blocks' output projections re-fit by least squares to
-    the sorted parent's (``extract/compensate.py``), kept only when the KD to the parent on the judge's
-    batches improves on the plain slice; ``rec["refit"]`` records both KDs and every block's error."""
-    from autocompress_nemo.extract.compensate import collect_grams, refit_blocks, refit_state_dict
+    the sorted parent's (``extract/compensate.py``: all at once on the parent's inputs, or with
+    ``extract.refit=sequential`` layer after layer on the student's own), kept only when the KD to
+    the parent on the judge's batches improves on the plain slice; ``rec["refit"]`` records both KDs
+    and every block's error."""
+    from autocompress_nemo.extract.compensate import (
+        collect_grams,
+        refit_blocks,
+        refit_state_dict,
+        sequential_problem,
+        sequential_refit,
+    )
 
     e = ctx.cfg.extract
+    method = str(e.refit)
     blocks = refit_blocks(spec, child)
     if not blocks:
-        rec["refit"] = {"method": "least_squares", "blocks": [], "used": False, "why": "no narrowed block to re-fit"}
+        rec["refit"] = {"method": method, "blocks": [], "used": False, "why": "no narrowed block to re-fit"}
         return child_sd
-    seq, n = int(e.refit_seq_len), int(e.refit_batches)
-    batches = (ctx.batch_at("train", i, 2, seq, seed_offset=71) for i in range(n))
-    grams, tokens = collect_grams(ctx.model(spec, sd), spec, blocks, batches, ctx.forward)
-    new_sd, records = refit_state_dict(spec, sd, child, child_sd, grams, float(e.ridge))
+    batches = refit_batches(ctx)
+    parent_m = ctx.model(spec, sd)
+    live = ctx.model(child, child_sd) if method == "sequential" else None
+    why = sequential_problem(parent_m, live) if live is not None else None
+    if why:
+        ctx.say(f"[extract] extract.refit=sequential: {why}; re-fitting every block on the parent's inputs instead")
+        rec["refit_fallback"] = why
+    if live is not None and not why:
+        new_sd, records, tokens = sequential_refit(
+            parent_m, live, spec, sd, child, child_sd, batches, ctx.forward, float(e.ridge)
+        )
+    else:
+        grams, tokens = collect_grams(parent_m, spec, blocks, batches, ctx.forward)
+        new_sd, records = refit_state_dict(spec, sd, child, child_sd, grams, float(e.ridge))
     known = (rec.get("quality_guard") or {}).get("sliced_kd")  # run() measured it on the same batches
     sliced = float(known) if known is not None else sliced_kd(ctx, spec, sd, child, child_sd)
     fitted = sliced_kd(ctx, spec, sd, child, new_sd)
     used = fitted < sliced
     rec["refit"] = {
-        "method": "least_squares",
+        "method": method,
         "tokens": tokens,
         "ridge": float(e.ridge),
         "sliced_kd": sliced,
@@ -104,7 +139,8 @@ def refit(
     }
     mean = lambda k: sum(r[k] for r in records) / len(records)  # noqa: E731
     ctx.say(
-        f"[extract] least-squares re-fit of {len(records)} output projections on {tokens:,} tokens: "
+        f"[extract] {'sequential ' if method == 'sequential' else ''}least-squares re-fit of {len(records)} output "
+        f"projections on {tokens:,} tokens: "
         f"mean relative output error {mean('sliced_error'):.4f} -> {mean('refit_error'):.4f}; KD to the parent "
         f"{sliced:.4f} -> {fitted:.4f} on the judge's batches"
         + ("" if used else ": no better, the student keeps the plain slice")

@@ -22,6 +22,7 @@ from autocompress_nemo.stages.common import (
     load_table,
     measured_metrics,
     method_object,
+    refit_batches,
     search_capabilities,
 )
 from autocompress_nemo.stages.declare import DATA, LAYOUT, PARENT, Inputs, Stage, reads
@@ -224,6 +225,7 @@ def _how_it_was_chosen(meth: Any, outcome: Any, settler: Any, verified: Any, ste
         rec["quality_guards"] = settler.guards
     rec["judge"] = {
         "kind": settler.judge.label,
+        "refit": getattr(settler.judge, "refit", None) is not None,
         "calls": int(getattr(settler.judge, "calls", 0)),
         "tokens": int(getattr(settler.judge, "tokens", 0)),
     }
@@ -305,6 +307,7 @@ def settle_choices(
             batches=lambda: judge_batches(ctx),
             forward=ctx.forward,
             temperature=float(s.kd_temperature),
+            refit=judge_refit(ctx, spec, decisions),
         )
     traj = [r for r in getattr(outcome, "trajectory", []) if "step" in r]
     meth = method_object(method)
@@ -329,6 +332,18 @@ def settle_choices(
         if hasattr(judge, "close"):
             judge.close()
     return final, settler, verified
+
+
+def judge_refit(ctx: Context, spec: ArchSpec, decisions: list) -> Any:
+    """The KD judge's re-fit correction (``search.judge_refit``): children judged with their narrowed
+    output projections re-fit on extract's own calibration batches and ridge, as extract will start
+    them (``search.judge.RefitCorrection``); None when off or when extract keeps the plain slice."""
+    if not bool(ctx.cfg.search.get("judge_refit", False)) or str(ctx.cfg.extract.refit) == "none":
+        return None
+    from autocompress_nemo.search.judge import RefitCorrection
+
+    batches, ridge = refit_batches(ctx), float(ctx.cfg.extract.ridge)
+    return lambda model: RefitCorrection(model, spec, decisions, batches, ctx.forward, ridge)
 
 
 def verify_measured(
@@ -417,7 +432,7 @@ def _entry(ctx: Context, out: Path, inp: Inputs) -> None:
 
 STAGE = Stage(
     "search",
-    reads=reads(PARENT, LAYOUT, DATA, "target", "search"),
+    reads=reads(PARENT, LAYOUT, DATA, "target", "search", "extract"),
     needs=("rank", "profile"),
     optional=("validate",),
     per_method=True,
