@@ -3,12 +3,13 @@ split between local (``stages/reconstruct.py``) and global steps, held-out perpl
 and the local stage's tokens per second against its FLOP bound.
 
     python bench/bench_local.py [--run runs/smol] [--tokens 8192] [--fractions 0,0.25,0.5]
-        [--losses nmse] [--ffn 768] [--heads 6] [--refit least_squares|none] [key=value ...]
+        [--losses nmse] [--units layer] [--ffn 768] [--heads 6] [--refit least_squares|none] [key=value ...]
 
 The student is a uniform child of the run's sorted parent (``<run>/rank``, written by
 ``python -m autocompress_nemo.search stages=[rank] run_dir=<run>``): every MLP ``--ffn`` wide and
 every attention block ``--heads`` query heads (in the parent's KV groups), sliced and, by default,
-re-fit by least squares as extract does. For each fraction ``f`` and local loss, the same start is
+re-fit by least squares as extract does. For each fraction ``f``, local loss and unit (``layer``:
+a layer's attention and MLP together; ``block``: apart), the same start is
 trained for ``f x tokens`` local tokens, then distilled for the rest (``distill.recover.distill``,
 the distill stage's batches), and scored on the run's held-out text
 (``stages.evaluate.heldout_perplexity``). Overrides (``key=value``) change the run's config for
@@ -68,6 +69,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192, help="the recovery budget (local + global)")
     ap.add_argument("--fractions", default="0,0.25,0.5")
     ap.add_argument("--losses", default="nmse", help="local losses to try (nmse, cosine, both)")
+    ap.add_argument("--units", default="layer", help="reconstruct.unit values to try (layer, block)")
     ap.add_argument("--ffn", type=int, default=768)
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--refit", default="least_squares", choices=("least_squares", "none"))
@@ -120,19 +122,27 @@ def main() -> None:
         "points": [],
     }
     per_step = bs * seq
-    for loss in [x for x in a.losses.split(",") if x]:
+    variants = [(loss, unit) for loss in a.losses.split(",") if loss for unit in a.units.split(",") if unit]
+    for loss, unit in variants:
         for frac in [float(f) for f in a.fractions.split(",") if f.strip()]:
-            if frac == 0 and loss != a.losses.split(",")[0]:
+            if frac == 0 and (loss, unit) != variants[0]:
                 continue  # global only: one point whatever the local loss
+            name = f"{loss}_{frac}" if unit == "layer" else f"{loss}_{unit}_{frac}"
             local = (int(frac * a.tokens) // per_step) * per_step
             rest = max(per_step, a.tokens - local)
             student = ctx.model(child, csd)
-            point: dict[str, Any] = {"fraction": frac, "loss": loss if local else None, "local": local, "global": rest}
-            c2 = OmegaConf.merge(cfg, {"reconstruct": {"loss": loss}})
+            point: dict[str, Any] = {
+                "fraction": frac,
+                "loss": loss if local else None,
+                "unit": unit if local else None,
+                "local": local,
+                "global": rest,
+            }
+            c2 = OmegaConf.merge(cfg, {"reconstruct": {"loss": loss, "unit": unit}})
             ctx2 = Context(c2, say=_say)
             ctx2._shared = ctx._shared
             if local:
-                r = reconstruct(ctx2, teacher, student, local, out / f"{loss}_{frac}" / "local")
+                r = reconstruct(ctx2, teacher, student, local, out / name / "local")
                 flops = 2 * _layer_flops_per_token(pspec, seq) + 6 * _layer_flops_per_token(child, seq)
                 point["local_stage"] = {
                     "tokens_per_s": r["tokens_per_s"],
@@ -150,7 +160,7 @@ def main() -> None:
                 ctx.forward,
                 train_batches(ctx, d),
                 d,
-                out / f"{loss}_{frac}" / "global",
+                out / name / "global",
                 int(cfg.seed),
                 log=_say,
                 name=f"global@{frac}",
@@ -160,7 +170,7 @@ def main() -> None:
             point["ratio_to_parent"] = point["final"]["heldout_ppl"] / result["parent"]["heldout_ppl"]
             result["points"].append(point)
             _say(
-                f"[bench_local] {loss if local else 'global only'} f={frac}: held-out ppl "
+                f"[bench_local] {f'{loss}/{unit}' if local else 'global only'} f={frac}: held-out ppl "
                 f"{point['final']['heldout_ppl']:.2f} ({point['ratio_to_parent']:.2f}x parent)"
             )
             write_json_atomic(out / "local.json", result)

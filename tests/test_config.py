@@ -367,3 +367,12 @@ def test_cli_help_and_clean_errors(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "budget: decode_ms <= 0.6x the parent's" in r.stdout
     assert (tmp_path / "runs" / "tiny_cpu__tiny_llama" / ".hydra" / "config.yaml").exists()
+
+
+def test_reconstruct_loss_and_unit_are_checked_before_any_stage():
+    cfg = compose(["+target=tiny_cpu", "model=tiny_llama", "reconstruct.loss=mse", "reconstruct.unit=attention"])
+    joined = "\n".join(collect_problems(cfg))
+    assert "reconstruct.loss='mse': use nmse, cosine or both" in joined, joined
+    assert "reconstruct.unit='attention': use layer" in joined, joined
+    ok = compose(["+target=tiny_cpu", "model=tiny_llama", "reconstruct.unit=block"])
+    assert not [p for p in collect_problems(ok) if "reconstruct" in p]

@@ -269,3 +269,59 @@ def test_the_report_shows_the_recovery_path() -> None:
     assert "30" in ac and "8,192 tok; layer error 0.300 -> 0.150" in ac and "24,576 tok" in ac, ac
     mpp = next(line for line in text.splitlines() if line.startswith("| Minitron++"))
     assert "reconstruct.fraction=0" in mpp and "32,768 tok" in mpp, mpp
+
+
+def _mlp_only_narrowed(spec: ArchSpec) -> ArchSpec:
+    blocks = tuple(dataclasses.replace(b, ffn=b.ffn // 2) if b.kind == "mlp" and b.ffn else b for b in spec.blocks)
+    return dataclasses.replace(spec, blocks=blocks, name=f"{spec.name}-mlp-narrow")
+
+
+def _attention_grad(unit: str) -> tuple[float, float]:
+    """The local loss's gradient norm on the student's attention weights and on its MLP weights, when
+    only the MLPs were narrowed (the attention is the parent's own)."""
+    spec = tiny_hetero_spec()
+    sd = random_hf_state_dict(spec, seed=3)
+    child = _mlp_only_narrowed(spec)
+    parent, student = _model(spec, sd), _model(child, slice_state_dict(spec, sd, child))
+    obj = local_objective(student, parent, forward_logits, unit=unit)
+    obj.setup()
+    try:
+        loss, metrics = obj.loss(_batches(spec.vocab)(0))
+    finally:
+        obj.teardown()
+    loss.backward()
+    norm = lambda key: sum(  # noqa: E731
+        float(p.grad.norm()) for n, p in student.named_parameters() if key in n and p.grad is not None
+    )
+    return norm("self_attention"), norm(".mlp.")
+
+
+def test_block_unit_trains_attention_and_mlp_apart() -> None:
+    """``reconstruct.unit=block``: the MLP's error does not reach the attention (it is scored on the
+    parent's residual after the parent's attention); ``layer``: it does, through the layer's update."""
+    attn_layer, mlp_layer = _attention_grad("layer")
+    attn_block, mlp_block = _attention_grad("block")
+    assert mlp_layer > 0 and mlp_block > 0, (mlp_layer, mlp_block)
+    assert attn_layer > 1e-4, attn_layer  # together: the narrowed MLP's error trains the attention too
+    assert attn_block < 1e-7 * max(1.0, attn_layer), attn_block  # apart: the attention is already exact
+
+
+def test_block_unit_brings_every_narrowed_layer_closer(tmp_path) -> None:
+    spec = tiny_hetero_spec()
+    parent, student = _setup(spec)
+    probe = [_batches(spec.vocab)(1000 + i) for i in range(2)]
+    before = layer_errors(student, parent, forward_logits, probe)
+    res = train(
+        student,
+        local_objective(student, parent, forward_logits, unit="block"),
+        _batches(spec.vocab),
+        _cfg(32 * 32, lr=1e-3),
+        tmp_path,
+        seed=0,
+        optimizer="torch",
+        name="reconstruct",
+    )
+    after = layer_errors(student, parent, forward_logits, probe)
+    assert res["final_loss"] < res["first_loss"], (res["first_loss"], res["final_loss"])
+    narrowed = [i for i, e in enumerate(before) if e > 1e-6]
+    assert narrowed and all(after[i] < before[i] for i in narrowed), (before, after)

@@ -275,6 +275,10 @@ class ReconstructConfig:
     loss: str = "nmse"
     """``nmse``: squared error of the layer's update normalized by the parent's update energy;
     ``cosine``: 1 - cosine between the updates per token; ``both``: their sum."""
+    unit: str = "layer"
+    """``layer``: a Llama layer's attention and MLP learn the layer's update together (Puzzle's
+    choice); ``block``: apart, the attention on the parent's layer input, the MLP on the parent's
+    residual after its attention, each its own loss."""
     lr: float = 3.0e-4
     """Peak learning rate of the local steps (AdamW, warm-up then cosine to ``min_lr``)."""
     min_lr: float = 3.0e-5

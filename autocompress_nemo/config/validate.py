@@ -480,6 +480,11 @@ def _check_distill(c: dict, m: dict, t: dict) -> list[str]:
         _pos(p, f"extract.{key}", e.get(key, 1))
     if not _number(e.get("ridge", 0)) or e.get("ridge", 0) < 0:
         p.append(f"extract.ridge={e.get('ridge')!r} must be a finite number >= 0")
+    r = c.get("reconstruct") or {}
+    if r.get("loss", "nmse") not in ("nmse", "cosine", "both"):
+        p.append(f"reconstruct.loss={r.get('loss')!r}: use nmse, cosine or both")
+    if r.get("unit", "layer") not in ("layer", "block"):
+        p.append(f"reconstruct.unit={r.get('unit')!r}: use layer (attention and MLP together) or block (apart)")
     return p
 
 

@@ -14,8 +14,13 @@ parent's on the layer's update (the residual stream's change):
     cosine_l = mean over tokens of 1 - cos(s_l - in_l, out_l - in_l)
 
 and the loss is the mean over layers (``reconstruct.loss``: ``nmse``, ``cosine`` or ``both``).
-A Llama layer holds an attention and an MLP block, which therefore train together (Puzzle found
-that better than apart); a hybrid layer is one block. The parent's activations are produced batch
+A Llama layer holds an attention and an MLP block, which by default train together (Puzzle found
+that better than apart); a hybrid layer is one block. With ``reconstruct.unit=block`` they train
+apart: the student's MLP is fed the parent's residual after the parent's attention ``mid_l`` (a
+pre-hook on ``pre_mlp_layernorm``), the attention is scored on its update ``mid_l - in_l`` and the
+MLP on its update from ``mid_l``; the layer's loss is the mean of the two (no gradient crosses from
+the MLP's loss into the attention: the layer adds the MLP's output to the student's own residual,
+which the MLP's loss subtracts again). The parent's activations are produced batch
 by batch and never stored beyond the step. Nothing here depends on the block kind: every layer of
 ``decoder.layers`` (GPTModel or HybridModel) takes part, so dense, MoE and hybrid students all do.
 """
@@ -66,20 +71,43 @@ def layer_problem(parent: torch.nn.Module, student: torch.nn.Module) -> str | No
     return None
 
 
+def splits(layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` is a Megatron ``TransformerLayer`` with both an attention and an MLP
+    (its residual between them is reachable at ``pre_mlp_layernorm``)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    parts = [getattr(layer, n, None) for n in ("self_attention", "pre_mlp_layernorm", "mlp")]
+    return all(m is not None for m in parts) and not any(isinstance(m, IdentityOp) for m in (parts[0], parts[2]))
+
+
 class LayerTaps:
     """Hooks on a model's layers: record each layer's input and output (``replace=None``), or feed
-    each layer the given inputs and record its outputs (``replace`` set per step)."""
+    each layer the given inputs and record its outputs (``replace`` set per step). With ``mid``
+    (layer indices), also the residual entering those layers' MLP (``mids``), replaced by
+    ``replace_mid`` when that is set."""
 
-    def __init__(self, model: torch.nn.Module, stop_after_last: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, stop_after_last: bool = True, mid: frozenset[int] = frozenset()) -> None:
         self.layers = decoder_layers(model)
         self.inputs: list[torch.Tensor | None] = [None] * len(self.layers)
         self.outputs: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.mids: list[torch.Tensor | None] = [None] * len(self.layers)
         self.replace: list[torch.Tensor] | None = None
+        self.replace_mid: list[torch.Tensor | None] | None = None
         self.stop = stop_after_last
         self.handles = []
         for i, layer in enumerate(self.layers):
             self.handles.append(layer.register_forward_pre_hook(self._pre(i), with_kwargs=True))
             self.handles.append(layer.register_forward_hook(self._post(i)))
+            if i in mid:
+                self.handles.append(layer.pre_mlp_layernorm.register_forward_pre_hook(self._mid(i)))
+
+    def _mid(self, i: int) -> Callable[..., Any]:
+        def hook(module: torch.nn.Module, args: tuple) -> Any:
+            self.mids[i] = args[0]
+            h = self.replace_mid[i] if self.replace_mid is not None else None
+            return None if h is None else (h, *args[1:])
+
+        return hook
 
     def _pre(self, i: int) -> Callable[..., Any]:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -123,16 +151,36 @@ def update_losses(s_SBH: torch.Tensor, t_SBH: torch.Tensor, in_SBH: torch.Tensor
     return {"nmse": nmse, "cosine": (1.0 - cos).mean()}
 
 
+def block_losses(
+    s: torch.Tensor, t: torch.Tensor, h: torch.Tensor, s_mid: torch.Tensor | None, t_mid: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """One layer's losses: of its whole update (``s_mid`` None), or the mean of its attention's
+    (``s_mid - h`` against ``t_mid - h``) and its MLP's (from the parent's ``t_mid``)."""
+    if s_mid is None or t_mid is None:
+        return update_losses(s, t, h)
+    tm = t_mid.float()
+    attn = update_losses(s_mid, tm, h)
+    mlp = update_losses(s.float() - s_mid.float() + tm, t, tm)
+    return {k: (attn[k] + mlp[k]) / 2 for k in attn}
+
+
+UNITS = ("layer", "block")
+
+
 def local_objective(
     student: torch.nn.Module,
     parent: torch.nn.Module,
     forward: Forward,
     loss: str = "nmse",
     teacher_ctx: Callable[[], Any] | None = None,
+    unit: str = "layer",
 ) -> Objective:
-    """The trainer's objective for blockwise local distillation of ``student`` from ``parent``."""
+    """The trainer's objective for blockwise local distillation of ``student`` from ``parent``
+    (``unit``: ``layer`` trains a layer's attention and MLP together, ``block`` apart)."""
     if loss not in LOSSES:
         raise ValueError(f"reconstruct.loss={loss!r}: use one of {', '.join(LOSSES)}")
+    if unit not in UNITS:
+        raise ValueError(f"reconstruct.unit={unit!r}: use one of {', '.join(UNITS)}")
     why = layer_problem(parent, student)
     if why:
         raise ValueError(f"local reconstruction: {why}; set reconstruct.fraction=0")
@@ -143,9 +191,13 @@ def local_objective(
     import contextlib
 
     tctx = teacher_ctx or contextlib.nullcontext
+    mid: frozenset[int] = frozenset()
+    if unit == "block":
+        pairs = zip(decoder_layers(parent), decoder_layers(student), strict=True)
+        mid = frozenset(i for i, (pl, sl) in enumerate(pairs) if splits(pl) and splits(sl))
 
     def setup() -> None:
-        taps["parent"], taps["student"] = LayerTaps(parent), LayerTaps(student)
+        taps["parent"], taps["student"] = LayerTaps(parent, mid=mid), LayerTaps(student, mid=mid)
 
     def teardown() -> None:
         for t in taps.values():
@@ -158,19 +210,22 @@ def local_objective(
             tp.run(forward, parent, x_BT)
         ins = [h.detach().float() for h in tp.inputs if h is not None]
         outs = [h.detach().float() for h in tp.outputs if h is not None]
-        ts.replace = ins
+        t_mids = [None if h is None else h.detach().float() for h in tp.mids]
+        ts.replace, ts.replace_mid = ins, t_mids
         try:
             ts.run(forward, student, x_BT)
         finally:
-            ts.replace = None
-        per = [update_losses(s, t, h) for s, t, h in zip(ts.outputs, outs, ins, strict=True) if s is not None]
+            ts.replace, ts.replace_mid = None, None
+        per = [
+            block_losses(s, t, h, sm, tm)
+            for s, t, h, sm, tm in zip(ts.outputs, outs, ins, ts.mids, t_mids, strict=True)
+            if s is not None
+        ]
         nmse = torch.stack([p["nmse"] for p in per]).mean()
         cos = torch.stack([p["cosine"] for p in per]).mean()
         total = nmse if loss == "nmse" else cos if loss == "cosine" else nmse + cos
-        tp.inputs = [None] * len(tp.layers)
-        tp.outputs = [None] * len(tp.layers)
-        ts.inputs = [None] * len(ts.layers)
-        ts.outputs = [None] * len(ts.layers)
+        for t in (tp, ts):
+            t.inputs, t.outputs, t.mids = ([None] * len(t.layers) for _ in range(3))
         return total, {"nmse": float(nmse.detach()), "cosine": float(cos.detach())}
 
     return Objective("local", step, {"local_loss": loss}, setup, teardown)

@@ -108,7 +108,12 @@ def reconstruct(
     probe = [ctx.batch_at("train", i, bs, seq, seed_offset=43) for i in range(2)]
     before = layer_errors(model, parent, ctx.forward, probe)
     objective = local_objective(
-        model, parent, ctx.forward, str(cfg.reconstruct.loss), teacher_precision(tcfg.teacher_precision, parent)
+        model,
+        parent,
+        ctx.forward,
+        str(cfg.reconstruct.loss),
+        teacher_precision(tcfg.teacher_precision, parent),
+        unit=str(cfg.reconstruct.get("unit", "layer")),
     )
     result = train(
         model,
@@ -133,6 +138,7 @@ def reconstruct(
     return {
         "tokens": result["tokens"],
         "loss": str(cfg.reconstruct.loss),
+        "unit": str(cfg.reconstruct.get("unit", "layer")),
         "layer_nmse_before": before,
         "layer_nmse_after": after,
         "first_loss": result["first_loss"],
