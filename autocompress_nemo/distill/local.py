@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from megatron.core.transformer.identity_op import IdentityOp
 
 from autocompress_nemo.distill.recover import Forward, Objective
 
@@ -74,8 +75,6 @@ def layer_problem(parent: torch.nn.Module, student: torch.nn.Module) -> str | No
 def splits(layer: torch.nn.Module) -> bool:
     """Whether ``layer`` is a Megatron ``TransformerLayer`` with both an attention and an MLP
     (its residual between them is reachable at ``pre_mlp_layernorm``)."""
-    from megatron.core.transformer.identity_op import IdentityOp
-
     parts = [getattr(layer, n, None) for n in ("self_attention", "pre_mlp_layernorm", "mlp")]
     return all(m is not None for m in parts) and not any(isinstance(m, IdentityOp) for m in (parts[0], parts[2]))
 
