@@ -52,23 +52,6 @@ def _child(spec: Any, ffn: int, heads: int) -> Any:
     return dataclasses.replace(spec, blocks=tuple(out), name=f"{spec.name}-uniform-f{ffn}-h{heads}")
 
 
-def load_run(run_dir: str, overrides: list[str]) -> tuple[Any, Any, Any, Any]:
-    """A finished run's config (with ``overrides``), its context and its sorted parent (``<run>/rank``):
-    ``(cfg, ctx, parent spec, parent state dict)``; the run directory is ``cfg.run_dir``."""
-    from omegaconf import OmegaConf
-
-    from autocompress_nemo.context import Context, load_weights
-
-    run = Path(run_dir).resolve()
-    cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
-    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides)) if overrides else cfg
-    cfg.run_dir = str(run)
-    ctx = Context(cfg, say=_say)
-    ctx.init_distributed()
-    pspec, psd = load_weights(run / "rank")
-    return cfg, ctx, pspec, psd
-
-
 def _layer_flops_per_token(spec: Any, seq: int) -> float:
     """Multiply-adds per token of the decoder layers' forward (no embedding, no LM head): every
     layer weight once plus the attention scores and values over ``seq`` positions."""
@@ -96,7 +79,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     from omegaconf import OmegaConf
 
-    from autocompress_nemo.context import Context
+    from autocompress_nemo.context import Context, load_weights
     from autocompress_nemo.distill.recover import distill
     from autocompress_nemo.extract.slice import slice_state_dict
     from autocompress_nemo.stages.distill import train_batches
@@ -104,8 +87,13 @@ def main() -> None:
     from autocompress_nemo.stages.reconstruct import reconstruct
     from autocompress_nemo.utils.artifacts import write_json_atomic
 
-    cfg, ctx, pspec, psd = load_run(a.run, a.overrides)
-    run = Path(cfg.run_dir)
+    run = Path(a.run).resolve()
+    cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(a.overrides)) if a.overrides else cfg
+    cfg.run_dir = str(run)
+    ctx = Context(cfg, say=_say)
+    ctx.init_distributed()
+    pspec, psd = load_weights(run / "rank")
     child = _child(pspec, a.ffn, a.heads)
     csd = slice_state_dict(pspec, psd, child)
     if a.refit == "least_squares":

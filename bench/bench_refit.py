@@ -50,17 +50,22 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     from autocompress_nemo.arch.spec import ArchSpec
-    from autocompress_nemo.context import Context
+    from autocompress_nemo.context import Context, load_weights
     from autocompress_nemo.distill.recover import distill
     from autocompress_nemo.extract.slice import slice_state_dict
     from autocompress_nemo.stages.distill import train_batches
     from autocompress_nemo.stages.evaluate import heldout_perplexity
     from autocompress_nemo.stages.extract import refit, sliced_kd
     from autocompress_nemo.utils.artifacts import write_json_atomic
-    from bench.bench_local import _child, load_run
+    from bench.bench_local import _child
 
-    cfg, ctx, pspec, psd = load_run(a.run, a.overrides)
-    run = Path(cfg.run_dir)
+    run = Path(a.run).resolve()
+    cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(a.overrides)) if a.overrides else cfg
+    cfg.run_dir = str(run)
+    ctx = Context(cfg, say=_say)
+    ctx.init_distributed()
+    pspec, psd = load_weights(run / "rank")
     children = []
     for c in [x for x in a.children.split(",") if x]:
         ffn, heads = (int(v) for v in c.split("x"))

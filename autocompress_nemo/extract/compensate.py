@@ -36,7 +36,6 @@ would not see the other stages' blocks).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -204,8 +203,10 @@ class _Replay:
         try:
             for x in batches:
                 self.calls.append([])
-                with contextlib.suppress(StopForward):
+                try:
                     forward(model, x)
+                except StopForward:
+                    pass
         finally:
             for h in handles:
                 h.remove()
@@ -309,37 +310,3 @@ def sequential_refit(
 def sequential_problem(parent_model: torch.nn.Module, student_model: torch.nn.Module) -> str | None:
     """Why the student's layers cannot be re-fit one after another against the parent's (None: they can)."""
     return layer_problem(parent_model, student_model)
-
-
-REFITS = {"least_squares": "least-squares", "sequential": "sequential least-squares"}
-"""``extract.refit`` values that re-fit (``none`` keeps the plain slice) and how the log names them."""
-
-
-def refit_weights(
-    how: str,
-    parent_model: torch.nn.Module,
-    student_model: Callable[[], torch.nn.Module],
-    parent: ArchSpec,
-    sorted_sd: dict[str, torch.Tensor],
-    child: ArchSpec,
-    child_sd: dict[str, torch.Tensor],
-    batches: list[torch.Tensor],
-    forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
-    ridge: float,
-) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]], int, str | None]:
-    """The re-fit ``how`` (a key of :data:`REFITS`) of the child's narrowed output projections:
-    ``(state dict, per-block records, calibration tokens, why the sequential re-fit fell back to
-    the parallel one or None)``. ``student_model`` builds the live student the sequential re-fit
-    updates."""
-    why = None
-    if how == "sequential":
-        live = student_model()
-        why = sequential_problem(parent_model, live)
-        if why is None:
-            return (
-                *sequential_refit(parent_model, live, parent, sorted_sd, child, child_sd, batches, forward, ridge),
-                None,
-            )
-    grams, tokens = collect_grams(parent_model, parent, refit_blocks(parent, child), batches, forward)
-    new_sd, records = refit_state_dict(parent, sorted_sd, child, child_sd, grams, ridge)
-    return new_sd, records, tokens, why

@@ -12,7 +12,6 @@ from autocompress_nemo.arch.counts import param_count
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.blocks import describe
 from autocompress_nemo.context import Context, load_weights, read_json, save_weights
-from autocompress_nemo.extract.compensate import REFITS, refit_blocks, refit_weights
 from autocompress_nemo.stages.common import JUDGE_READS, judge_batches, refit_batches
 from autocompress_nemo.stages.declare import LAYOUT, PARENT, Stage, reads
 from autocompress_nemo.stages.layout import ExtractDir, RankDir, SearchDir
@@ -36,7 +35,7 @@ def run(ctx: Context, out: Path, rank: RankDir, search: SearchDir) -> None:
                 f"the sliced student's KD to the parent ({guard['sliced_kd']:.4f}) differs from the child the search "
                 f"judged ({ref:.4f}) on the same batches: slicing and the supernet disagree; not training it"
             )
-    if str(ctx.cfg.extract.refit) in REFITS:
+    if str(ctx.cfg.extract.refit) in ("least_squares", "sequential"):
         child_sd = refit(ctx, spec, sd, child, child_sd, rec)
         check_refit_judged(ctx, rec)
     art = ExtractDir(out)
@@ -97,26 +96,34 @@ def refit(
     ``extract.refit=sequential`` layer after layer on the student's own), kept only when the KD to
     the parent on the judge's batches improves on the plain slice; ``rec["refit"]`` records both KDs
     and every block's error."""
+    from autocompress_nemo.extract.compensate import (
+        collect_grams,
+        refit_blocks,
+        refit_state_dict,
+        sequential_problem,
+        sequential_refit,
+    )
+
     e = ctx.cfg.extract
     method = str(e.refit)
-    if not refit_blocks(spec, child):
+    blocks = refit_blocks(spec, child)
+    if not blocks:
         rec["refit"] = {"method": method, "blocks": [], "used": False, "why": "no narrowed block to re-fit"}
         return child_sd
-    new_sd, records, tokens, why = refit_weights(
-        method,
-        ctx.model(spec, sd),
-        lambda: ctx.model(child, child_sd),
-        spec,
-        sd,
-        child,
-        child_sd,
-        refit_batches(ctx),
-        ctx.forward,
-        float(e.ridge),
-    )
+    batches = refit_batches(ctx)
+    parent_m = ctx.model(spec, sd)
+    live = ctx.model(child, child_sd) if method == "sequential" else None
+    why = sequential_problem(parent_m, live) if live is not None else None
     if why:
-        ctx.say(f"[extract] extract.refit={method}: {why}; re-fitting every block on the parent's inputs instead")
+        ctx.say(f"[extract] extract.refit=sequential: {why}; re-fitting every block on the parent's inputs instead")
         rec["refit_fallback"] = why
+    if live is not None and not why:
+        new_sd, records, tokens = sequential_refit(
+            parent_m, live, spec, sd, child, child_sd, batches, ctx.forward, float(e.ridge)
+        )
+    else:
+        grams, tokens = collect_grams(parent_m, spec, blocks, batches, ctx.forward)
+        new_sd, records = refit_state_dict(spec, sd, child, child_sd, grams, float(e.ridge))
     known = (rec.get("quality_guard") or {}).get("sliced_kd")  # run() measured it on the same batches
     sliced = float(known) if known is not None else sliced_kd(ctx, spec, sd, child, child_sd)
     fitted = sliced_kd(ctx, spec, sd, child, new_sd)
@@ -132,7 +139,7 @@ def refit(
     }
     mean = lambda k: sum(r[k] for r in records) / len(records)  # noqa: E731
     ctx.say(
-        f"[extract] {REFITS[method]} re-fit of {len(records)} output "
+        f"[extract] {'sequential ' if method == 'sequential' else ''}least-squares re-fit of {len(records)} output "
         f"projections on {tokens:,} tokens: "
         f"mean relative output error {mean('sliced_error'):.4f} -> {mean('refit_error'):.4f}; KD to the parent "
         f"{sliced:.4f} -> {fitted:.4f} on the judge's batches"
