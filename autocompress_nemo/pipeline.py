@@ -56,20 +56,32 @@ def cache_dir(cfg: DictConfig) -> Path:
     return Path(str(given)).expanduser() if given else Path(str(cfg.run_dir)) / ".cache"
 
 
-def is_rank0() -> bool:
-    try:
-        import torch.distributed as dist
+def _dist() -> Any:
+    """``torch.distributed`` when a process group is up, else None (imported here: the command line
+    starts without torch)."""
+    import torch.distributed as dist
 
-        return not dist.is_initialized() or dist.get_rank() == 0
-    except Exception:  # noqa: BLE001
-        return True
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def is_rank0() -> bool:
+    dist = _dist()
+    return dist is None or dist.get_rank() == 0
 
 
 def barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    if (dist := _dist()) is not None:
         dist.barrier()
+
+
+def rank0s(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (itself when not distributed): a decision every rank must
+    take alike, made where rank 0 stands."""
+    if (dist := _dist()) is None or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 # Artifact layouts that changed in a way older artifacts cannot serve: a stage listed here puts
@@ -232,12 +244,14 @@ class Run:
         final = self.dir / name
         h = self.config_hash(keys, inputs, name)
         row: dict[str, Any] = {**(meta or {"name": name}), "key": h, "artifact": str(final)}
-        if is_complete(final, h):
+        # Rank 0 decides: a rank that looked later could see the artifact rank 0 has just written,
+        # skip, and leave rank 0 alone at the barrier below.
+        if rank0s(is_complete(final, h)):
             self.say(f"[{name}] skipped: artifact complete for the same inputs ({final})")
             self.note(name, "skipped", seconds=0.0, **row)
             return final
         why: list[str] = []
-        if final.exists():
+        if final.exists() and is_rank0():
             problems = verify_or_explain(final)
             m = read_manifest(final)
             why = problems or ([f"config changed ({m.get('config_hash')} -> {h})"] if m else ["no manifest"])

@@ -362,7 +362,7 @@ def verify_measured(
     timing runs on rank 0 and its result is broadcast, so every rank makes the same choices."""
     from autocompress_nemo.costs.engines import get_engine
     from autocompress_nemo.costs.engines.base import Workload
-    from autocompress_nemo.pipeline import is_rank0
+    from autocompress_nemo.pipeline import is_rank0, rank0s
     from autocompress_nemo.search.settle import verify_measured as verify
 
     rounds = int(ctx.cfg.search.verify_rounds)
@@ -391,9 +391,7 @@ def verify_measured(
                     reference={k: v for k, v in m.reference.items() if k not in ("memory", "flags")},
                 )
             out = [(measured_metrics(m, wl, child), b_now, info)]
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.broadcast_object_list(out, src=0)
-        return out[0]  # type: ignore[return-value]
+        return rank0s(out[0])  # type: ignore[no-any-return]
 
     try:
         return verify(
