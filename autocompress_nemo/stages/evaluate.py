@@ -111,12 +111,11 @@ def run(
     next to the predictions — for the parent and every student, measured in one interleaved session.
     A student exported as a GGUF file also gets its held-out perplexity measured on that file in
     llama.cpp, next to the PyTorch figure."""
-    from autocompress_nemo.costs.engines.base import Workload
     from autocompress_nemo.costs.predictor import Predictor
+    from autocompress_nemo.pipeline import is_rank0
 
-    cfg = ctx.cfg
     pspec, psd, _ = ctx.parent
-    predictor = Predictor(load_table(ctx, profile.table), cfg.target)
+    predictor = Predictor(load_table(ctx, profile.table), ctx.cfg.target)
     budget, how = budgets(ctx, predictor, pspec, validation)
     models: dict[str, tuple[ArchSpec, dict[str, torch.Tensor]]] = {"parent": (pspec, psd)}
     for name, d in students.items():
@@ -124,12 +123,11 @@ def run(
     results: dict[str, Any] = {"budgets": budget, "budget_reference": how, "models": {}}
     for name, (spec, sd) in models.items():
         ctx.say(f"[evaluate] {name}: held-out perplexity")
-        acc = heldout_perplexity(ctx, spec, sd)
         results["models"][name] = {
             "spec": spec.to_dict(),
             "pattern": spec.pattern,
             "params": param_count(spec),
-            "accuracy": acc,
+            "accuracy": heldout_perplexity(ctx, spec, sd),
             "predicted": numbers(predictor.predict(spec)),
         }
     # the students on their way (held-out loss only): extracted (the architecture alone, before any
@@ -145,20 +143,30 @@ def run(
             spec, sd = load_weights(d)
             ctx.say(f"[evaluate] {name} {what}: held-out perplexity")
             results[key][name] = heldout_perplexity(ctx, spec, sd, lm_eval=False)
-    from autocompress_nemo.pipeline import is_rank0
-
     if not is_rank0():  # engine timings run once (rank 0): concurrent copies would disturb each other
         return
-    for name, d in (exports or {}).items():
+    _exported_accuracy(ctx, exports or {}, results["models"])
+    dtype = str(ctx.cfg.target.engine.get("dtype", "f16"))
+    if engine_class(str(ctx.cfg.target.engine.name)).own_quantizer and _is_quantized(dtype):
+        quantization_costs(ctx, models, exports or {}, results["models"], dtype, out / "quantization_work")
+    _engine_costs(ctx, out, models, budget, results)
+    write_json_atomic(EvaluateDir(out).evaluation, results)
+    _say_results(ctx, results)
+
+
+def _exported_accuracy(ctx: Context, exports: dict[str, Path], rows: dict[str, Any]) -> None:
+    """Held-out perplexity and lm-eval of each student's exported GGUF file in llama.cpp, beside its
+    PyTorch figure (``rows[name]["accuracy_exported"]``)."""
+    for name, d in exports.items():
         files = ExportDir(d).ggufs()
-        if not files or name not in results["models"]:
+        if not files or name not in rows:
             continue
         from autocompress_nemo.export.parity import gguf_heldout
 
         ev = ctx.cfg.evaluate
         ctx.say(f"[evaluate] {name}: held-out perplexity of the exported {files[0].name} in llama.cpp")
         on_file = gguf_heldout(files[0], ctx.heldout_batches(2, int(ev.seq_len), int(ev.heldout_batches)))
-        torch_ppl = results["models"][name]["accuracy"]["heldout_ppl"]
+        torch_ppl = rows[name]["accuracy"]["heldout_ppl"]
         on_file.update(
             file=files[0].name,
             measured_by=f"llama.cpp (llama-cpp-python {_llama_cpp_version()}) on this CPU, F32 KV cache",
@@ -166,24 +174,36 @@ def run(
         )
         ctx.say(f"[evaluate] {name}: lm-eval on the exported {files[0].name} in llama.cpp")
         on_file["lm_eval"] = lm_eval_scores(ctx, GgufModel(files[0]), gguf_forward)
-        results["models"][name]["accuracy_exported"] = on_file
-    dtype = str(cfg.target.engine.get("dtype", "f16"))
-    if engine_class(str(cfg.target.engine.name)).own_quantizer and _is_quantized(dtype):
-        quantization_costs(ctx, models, exports or {}, results["models"], dtype, out / "quantization_work")
-    engine = get_engine(cfg.target, workdir=out / "engine_work")
-    wl = Workload.from_config(cfg.target.workload)
+        rows[name]["accuracy_exported"] = on_file
+
+
+def _engine_costs(
+    ctx: Context,
+    out: Path,
+    models: dict[str, tuple[ArchSpec, dict[str, torch.Tensor]]],
+    budget: dict[str, float],
+    results: dict[str, Any],
+) -> None:
+    """The parent and every student timed in the target's engine next to the parent in the same
+    rounds (``costs/engines/paired.py``), each checked against the budgets in the units of that
+    very measurement."""
+    import shutil
+
+    from autocompress_nemo.costs.engines.base import Workload
+    from autocompress_nemo.costs.engines.paired import all_flags
+
+    pspec = models["parent"][0]
+    engine = get_engine(ctx.cfg.target, workdir=out / "engine_work")
+    wl = Workload.from_config(ctx.cfg.target.workload)
     specs = [models[n][0].replace(name=n) for n in models]
     if engine.estimated:
         ctx.say("[evaluate] the target's engine is an analytic estimate: costs are estimated, not measured")
-    # the parent and every student timed next to the parent in the same rounds (costs/engines/paired.py)
     measured = engine.measure_many(
         specs, wl, log=lambda m: ctx.say(f"[evaluate] {m}"), reference=pspec.replace(name="parent")
     )
     label = f"{engine.name} {engine.version()} on {engine.device()}" + (
         " (estimated, not measured)" if engine.estimated else ""
     )
-    from autocompress_nemo.costs.engines.paired import all_flags
-
     b_now, ref = budgets_measured(ctx, measured[0], wl, pspec, budget)
     for f in all_flags(measured):
         ctx.say(f"[evaluate] flagged: {f}")
@@ -198,15 +218,9 @@ def run(
     for n, m in zip(models, measured, strict=True):
         meas = measured_metrics(m, wl, models[n][0])
         r = results["models"][n]
-        r["measured"] = meas
-        r["measured_memory"] = m.memory
-        r["measured_by"] = label
-        r["spread"] = m.spread
+        r.update(measured=meas, measured_memory=m.memory, measured_by=label, spread=m.spread)
         if m.ratio:
-            r["ratio_to_parent"] = m.ratio
-            r["ratio_spread"] = m.ratio_spread
-            r["measured_absolute"] = m.absolute
-            r["flags"] = m.flags
+            r.update(ratio_to_parent=m.ratio, ratio_spread=m.ratio_spread, measured_absolute=m.absolute, flags=m.flags)
         r["budget_check"] = {
             k: {
                 "budget": b_now[k],
@@ -217,10 +231,10 @@ def run(
             }
             for k in budget
         }
-    import shutil
-
     shutil.rmtree(out / "engine_work", ignore_errors=True)
-    write_json_atomic(EvaluateDir(out).evaluation, results)
+
+
+def _say_results(ctx: Context, results: dict[str, Any]) -> None:
     for n, r in results["before_recovery"].items():
         ctx.say(f"[evaluate] {n} before recovery: ppl {r['heldout_ppl']:.3f} KD to parent {r['kd_to_parent']:.4f}")
     for n, r in results["models"].items():

@@ -13,7 +13,10 @@ from autocompress_nemo.arch.counts import forward_flops_per_token, param_count
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.blocks import describe
 from autocompress_nemo.context import Context, load_weights, read_json
+from autocompress_nemo.search.autocompress import ParentMeetsBudget, check_budget_reachable, run_router_search
 from autocompress_nemo.search.family import family_record, family_steps, load_supernet, save_supernet
+from autocompress_nemo.search.minitron import run_minitron_pp
+from autocompress_nemo.search.space import apply_choices, build_space
 from autocompress_nemo.stages.common import (
     METHODS,
     budgets,
@@ -101,9 +104,6 @@ def search_core(
     ``search.family_steps`` steps."""
     from autocompress_nemo.costs.predictor import Predictor
     from autocompress_nemo.extract.archjson import arch_record
-    from autocompress_nemo.search.autocompress import ParentMeetsBudget, check_budget_reachable, run_router_search
-    from autocompress_nemo.search.minitron import run_minitron_pp
-    from autocompress_nemo.search.space import apply_choices, build_space
 
     cfg, s = ctx.cfg, ctx.cfg.search
     meth = method_object(method)
@@ -116,87 +116,25 @@ def search_core(
         f"{len(decisions)} decisions ({', '.join(sorted({d.kind for d in decisions}))}), "
         f"{sum(len(d.options) for d in decisions)} options"
     )
-    verdict = check_budget_reachable(spec, decisions, costs, budget)
-    model: torch.nn.Module | None = None
-    family = bool(list(s.get("budgets") or []))
-    steps, read, start_sd = int(s.steps), {}, sd
-    if verdict == "parent":  # distilling the parent into itself would only copy it: stop (docs/errors.md)
+    if check_budget_reachable(spec, decisions, costs, budget) == "parent":
+        # distilling the parent into itself would only copy it: stop (docs/errors.md)
         pc = costs.predict(spec)
         raise ParentMeetsBudget(
             f"the parent {describe(spec)} already meets every budget ("
             + ", ".join(f"{m} {pc[m]:.4g} <= {b:.4g}" for m, b in budget.items())
             + "); tighten target.budget (e.g. target.budget.constraints.0.value=0.6x) for a smaller student"
         )
-    else:
-        if family and supernet is not None and meth.shares_supernet:
-            trained, read = load_supernet(supernet)
-            start_sd = trained if trained is not None else sd
-            steps, s = family_steps(s), frozen_router_settings(s, family_steps(s))
-            ctx.say(f"[search:{method}] supernet of the first budget: {read['supernet_from']}; {steps} router steps")
-        model = ctx.model(spec, start_sd)
-        seq, bs = int(s.seq_len), int(s.batch_size)
-
-        def batch_at(step: int) -> torch.Tensor:
-            return ctx.batch_at("train", step, bs, seq, seed_offset=17)
-
-        shared = (model, spec, decisions, costs, budget, batch_at, ctx.forward, s)
-        if meth.router:
-            # per token: the unmasked (teacher) forward, the masked forward and its backward to the router
-            # logits (input gradients only, ~1 forward; with the shared weights trained, ~2)
-            flops = (4.0 if bool(s.train_weights) else 3.0) * forward_flops_per_token(spec, seq)
-            outcome = run_router_search(
-                *shared,
-                seed=int(cfg.seed),
-                checkpoint=ckpt_dir,
-                log=ctx.say,
-                router_init=str(s.router_init),
-                flops_per_token=flops,
-            )
-            if family and supernet is None and bool(s.train_weights):  # the first budget: keep the trained supernet
-                save_supernet(ctx, spec, model, out)
-            if bool(s.train_weights) or start_sd is not sd:
-                # settle judges the child extract slices (from the sorted parent, not these weights) against the
-                # parent: extract refuses a sliced student whose KD differs from the judged one
-                from autocompress_nemo.models.hybrid.state_dict import hf_to_megatron
-
-                hf_to_megatron(spec, sd, model)
-        else:
-            outcome = run_minitron_pp(
-                *shared,
-                log=ctx.say,
-                fresh_model=lambda: ctx.model(spec, sd),
-                checkpoint=str(ckpt_dir / "candidates.json"),
-            )
+    family = bool(list(s.get("budgets") or []))
+    outcome, model, steps, read = _explore(ctx, out, meth, spec, sd, decisions, costs, budget, ckpt_dir, supernet)
     final, settler, verified = settle_choices(
-        ctx,
-        out,
-        method,
-        spec,
-        decisions,
-        outcome,
-        costs,
-        budget,
-        lambda: option_importance(decisions),
-        model,
+        ctx, out, method, spec, decisions, outcome, costs, budget, lambda: option_importance(decisions), model
     )
-    r_steps, g_steps = settler.repair_steps, settler.grow_steps
     child = apply_choices(spec, decisions, final).replace(name=f"{spec.name}-{method}")
     pred = predictor.predict(child)
+    chosen = (decisions, outcome.probs, outcome.choices, final)
+    cost = (pred, predictor.predict(spec), budget, outcome.tokens)
     rec = arch_record(
-        method,
-        spec,
-        child,
-        decisions,
-        outcome.probs,
-        outcome.choices,
-        final,
-        pred,
-        predictor.predict(spec),
-        budget,
-        outcome.tokens,
-        r_steps,
-        g_steps,
-        predictor.table.label,
+        method, spec, child, *chosen, *cost, settler.repair_steps, settler.grow_steps, predictor.table.label
     )
     rec.update(budget_reference=how, params=param_count(child), search_wall_s=round(outcome.wall_s, 2))
     rec.update(_how_it_was_chosen(meth, outcome, settler, verified, steps))
@@ -210,6 +148,64 @@ def search_core(
         f"[search:{method}] chose {describe(child)} params {param_count(child):,} predicted "
         + ", ".join(f"{m}={pred[m]:.4g}/{b:.4g}" for m, b in budget.items())
     )
+
+
+def _explore(
+    ctx: Context,
+    out: Path,
+    meth: Any,
+    spec: ArchSpec,
+    sd: dict[str, torch.Tensor],
+    decisions: list,
+    costs: Any,
+    budget: dict[str, float],
+    ckpt_dir: Path,
+    supernet: Path | None,
+) -> tuple[Any, torch.nn.Module, int, dict[str, Any]]:
+    """The method's own search over ``decisions``: the router's steps (on the first budget's frozen
+    supernet for a later member of a family) or Minitron++'s candidates. Returns the outcome, the
+    model whose weights settle judges with (the sorted parent's), the router steps planned and what
+    was read of a supernet."""
+    s = ctx.cfg.search
+    family = bool(list(s.get("budgets") or []))
+    steps, read, start_sd = int(s.steps), {}, sd
+    if family and supernet is not None and meth.shares_supernet:
+        trained, read = load_supernet(supernet)
+        start_sd = trained if trained is not None else sd
+        steps, s = family_steps(s), frozen_router_settings(s, family_steps(s))
+        ctx.say(f"[search:{meth.name}] supernet of the first budget: {read['supernet_from']}; {steps} router steps")
+    model = ctx.model(spec, start_sd)
+    seq, bs = int(s.seq_len), int(s.batch_size)
+
+    def batch_at(step: int) -> torch.Tensor:
+        return ctx.batch_at("train", step, bs, seq, seed_offset=17)
+
+    shared = (model, spec, decisions, costs, budget, batch_at, ctx.forward, s)
+    if not meth.router:
+        outcome = run_minitron_pp(
+            *shared, log=ctx.say, fresh_model=lambda: ctx.model(spec, sd), checkpoint=str(ckpt_dir / "candidates.json")
+        )
+        return outcome, model, steps, read
+    # per token: the unmasked (teacher) forward, the masked forward and its backward to the router
+    # logits (input gradients only, ~1 forward; with the shared weights trained, ~2)
+    flops = (4.0 if bool(s.train_weights) else 3.0) * forward_flops_per_token(spec, seq)
+    outcome = run_router_search(
+        *shared,
+        seed=int(ctx.cfg.seed),
+        checkpoint=ckpt_dir,
+        log=ctx.say,
+        router_init=str(s.router_init),
+        flops_per_token=flops,
+    )
+    if family and supernet is None and bool(s.train_weights):  # the first budget: keep the trained supernet
+        save_supernet(ctx, spec, model, out)
+    if bool(s.train_weights) or start_sd is not sd:
+        # settle judges the child extract slices (from the sorted parent, not these weights) against the
+        # parent: extract refuses a sliced student whose KD differs from the judged one
+        from autocompress_nemo.models.hybrid.state_dict import hf_to_megatron
+
+        hf_to_megatron(spec, sd, model)
+    return outcome, model, steps, read
 
 
 def _how_it_was_chosen(meth: Any, outcome: Any, settler: Any, verified: Any, steps: int) -> dict[str, Any]:
