@@ -88,6 +88,28 @@ def _norm_cost(costs: dict[str, float], budgets: dict[str, float], metrics: list
     return sum(costs[m] / budgets[m] for m in metrics)
 
 
+def _moves(
+    parent: ArchSpec,
+    decisions: list[Decision],
+    choices: list[int],
+    predict: Predict,
+    direction: int,
+    value: Callable[[dict[str, float]], float | None],
+) -> dict[int, tuple[list[int], dict[str, float], float]]:
+    """Every allowed one-step move of ``direction``: decision -> (choices after it, their predicted
+    costs, the normalized cost it buys, ``value(costs)``, positive)."""
+    out: dict[int, tuple[list[int], dict[str, float], float]] = {}
+    for i, k in enumerate(choices):
+        if not 0 <= k + direction < len(decisions[i].options):
+            continue
+        trial = choices[:i] + [k + direction] + choices[i + 1 :]
+        c = predict(apply_choices(parent, decisions, trial))
+        v = value(c)
+        if v is not None and v > 0:
+            out[i] = (trial, c, v)
+    return out
+
+
 def _lazy_greedy(
     parent: ArchSpec,
     decisions: list[Decision],
@@ -121,15 +143,7 @@ def _lazy_greedy(
     dloss: dict[int, float] = {}  # decision -> loss change of its move, as last measured
     moves = 0
     while gap(costs) > 0:
-        cands: dict[int, tuple[list[int], dict[str, float], float]] = {}
-        for i, k in enumerate(choices):
-            if not 0 <= k + direction < len(decisions[i].options):
-                continue
-            trial = choices[:i] + [k + direction] + choices[i + 1 :]
-            c = predict(apply_choices(parent, decisions, trial))
-            v = move_value(costs, c)
-            if v is not None and v > 0:
-                cands[i] = (trial, c, v)
+        cands = _moves(parent, decisions, choices, predict, direction, lambda c, now=costs: move_value(now, c))
         if not cands:
             return choices, moves, None
         unmeasured = [i for i in cands if i not in dloss]

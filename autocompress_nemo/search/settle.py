@@ -170,6 +170,20 @@ class Settler:
         return choices
 
 
+def _retarget(
+    target: dict[str, float], over: dict[str, float], b_now: dict[str, float], p: dict[str, float], c: dict[str, float]
+) -> str:
+    """Move the predicted ``target`` after a measurement (``verify_measured``): tighten the metrics
+    over budget, else calibrate every target on it (to grow back). Returns what was done."""
+    if over:
+        for m in over:
+            target[m] = min(target[m], 0.99 * b_now[m] * p[m] / c[m])
+        return "tightened " + ", ".join(over)
+    for m, b in b_now.items():
+        target[m] = max(p[m], 0.99 * b * p[m] / c[m]) if c[m] > 0 else target[m]
+    return "calibrated targets on this measurement, grown back"
+
+
 def verify_measured(
     parent: ArchSpec,
     decisions: list[Decision],
@@ -207,27 +221,15 @@ def verify_measured(
         room = (
             grow_threshold is not None and not over and any(c[m] < b * (1 - grow_threshold) for m, b in b_now.items())
         )
-        row: dict[str, Any] = {
-            "round": r,
-            "measured": {m: c[m] for m in budget},
-            "predicted": {m: p[m] for m in budget},
-            "predicted_target": dict(target),
-            "budget": dict(budget),
-            "budget_measured": dict(b_now),
-            "pass": not over,
-            **info,
-        }
+        measured, predicted = {m: c[m] for m in budget}, {m: p[m] for m in budget}
+        row: dict[str, Any] = dict(round=r, measured=measured, predicted=predicted, predicted_target=dict(target))
+        row.update(budget=dict(budget), budget_measured=dict(b_now), **{"pass": not over}, **info)
         history.append(row)
         ratio = info.get("ratio") or {}
-        log(
-            f"[search:verify] round {r}: measured in {engine_name} "
-            + ", ".join(
-                f"{m} {c[m]:.4g} (predicted {p[m]:.4g}) / budget {b:.4g}"
-                + (f" [ratio to the parent {ratio[m]:.3f}]" if m in ratio else "")
-                for m, b in b_now.items()
-            )
-            + (" -> over budget" if over else " PASS, room left: growing back" if room else " PASS")
-        )
+        ratio_of = {m: f" [ratio to the parent {ratio[m]:.3f}]" if m in ratio else "" for m in b_now}
+        shown = [f"{m} {c[m]:.4g} (predicted {p[m]:.4g}) / budget {b:.4g}{ratio_of[m]}" for m, b in b_now.items()]
+        verdict = " -> over budget" if over else " PASS, room left: growing back" if room else " PASS"
+        log(f"[search:verify] round {r}: measured in {engine_name} " + ", ".join(shown) + verdict)
         if not over:
             last_pass = list(choices)
             if not room:
@@ -243,14 +245,7 @@ def verify_measured(
                     "the evaluate stage will report it (raise search.verify_rounds or loosen the budget)"
                 )
             break
-        if over:
-            for m in over:
-                target[m] = min(target[m], 0.99 * b_now[m] * p[m] / c[m])
-            row["action"] = "tightened " + ", ".join(over)
-        else:
-            for m, b in b_now.items():
-                target[m] = max(p[m], 0.99 * b * p[m] / c[m]) if c[m] > 0 else target[m]
-            row["action"] = "calibrated targets on this measurement, grown back"
+        row["action"] = _retarget(target, over, b_now, p, c)
         try:
             new = settle(choices, target)
         except ValueError as e:  # the tightened target is below the smallest child: stop tightening
