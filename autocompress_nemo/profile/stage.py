@@ -227,37 +227,7 @@ def run_validate(
         # every model timed next to the parent; its ratio expressed in the table's parent times
         measured = engine.measure_many(specs, wl, log=progress, reference=reference, scale=table.reference_times())
         for spec, m in zip(specs, measured, strict=True):
-            p = pred.predict(spec)
-            meas = _latencies(m.prefill_ms, m.decode_ms, m.memory_bytes, wl.output_len)
-            row: dict[str, Any] = {
-                "name": spec.name,
-                "pattern": spec.pattern,
-                "layers": spec.num_layers,
-                "reference": val.is_reference(spec, table),
-            }
-            then = val.profiled_time(spec, table) if row["reference"] else None
-            row.update({f"table_{k}": v for k, v in (then or {}).items()})  # measured at profiling
-            for k in val.METRICS:
-                row[f"pred_{k}"], row[f"meas_{k}"] = float(p[k]), float(meas[k])
-                row[f"err_{k}_pct"] = 100.0 * (p[k] - meas[k]) / meas[k] if meas[k] else float("nan")
-            for part, v in m.memory.items():
-                row[f"meas_mem_{part}"], row[f"pred_mem_{part}"] = v, p["memory"].get(part, 0.0)
-            if m.ratio:  # the old method: the model's own absolute time, next to the ratio
-                ab = _latencies(m.absolute["prefill_ms"], m.absolute["decode_ms"], m.memory_bytes, wl.output_len)
-                row.update({f"abs_{k}": float(v) for k, v in ab.items()})
-                row.update({f"ratio_{k}": v for k, v in m.ratio.items()})
-                row.update({f"ratio_rel_iqr_{k}": v["rel_iqr"] for k, v in m.ratio_spread.items()})
-                row["flags"] = m.flags
-            row["spec"] = spec.to_dict()
-            row["spread"] = m.spread
-            rows.append(row)
-            print(
-                f"    {spec.name}: decode {meas['decode_ms']:.3f} ms (pred {p['decode_ms']:.3f}, {row['err_decode_ms_pct']:+.2f}%), "
-                f"prefill {meas['prefill_ms']:.1f} ms ({row['err_prefill_ms_pct']:+.2f}%), memory "
-                f"{row['err_memory_bytes_pct']:+.3f}%",
-                file=sys.stderr,
-                flush=True,
-            )
+            rows.append(_validation_row(spec, m, pred.predict(spec), table, wl.output_len))
         ref = next(
             (r for r in rows if r["reference"] and "table_decode_ms" in r),
             next((r for r in rows if r["reference"]), None),
@@ -283,6 +253,41 @@ def run_validate(
         val.write_report(rows, summary, tmp)
     summary["files"] = {k: str(out / f"validation.{k}") for k in ("csv", "json", "png")}
     return summary
+
+
+def _validation_row(spec: ArchSpec, m: Any, p: dict[str, Any], table: Any, output_len: int) -> dict[str, Any]:
+    """One model of the validation: measured ``m`` against predicted ``p``, each metric's error, the
+    memory by part and, when timed as a ratio to the parent, its absolute times and spread."""
+    meas = _latencies(m.prefill_ms, m.decode_ms, m.memory_bytes, output_len)
+    row: dict[str, Any] = {
+        "name": spec.name,
+        "pattern": spec.pattern,
+        "layers": spec.num_layers,
+        "reference": val.is_reference(spec, table),
+    }
+    then = val.profiled_time(spec, table) if row["reference"] else None
+    row.update({f"table_{k}": v for k, v in (then or {}).items()})  # measured at profiling
+    for k in val.METRICS:
+        row[f"pred_{k}"], row[f"meas_{k}"] = float(p[k]), float(meas[k])
+        row[f"err_{k}_pct"] = 100.0 * (p[k] - meas[k]) / meas[k] if meas[k] else float("nan")
+    for part, v in m.memory.items():
+        row[f"meas_mem_{part}"], row[f"pred_mem_{part}"] = v, p["memory"].get(part, 0.0)
+    if m.ratio:  # the old method: the model's own absolute time, next to the ratio
+        ab = _latencies(m.absolute["prefill_ms"], m.absolute["decode_ms"], m.memory_bytes, output_len)
+        row.update({f"abs_{k}": float(v) for k, v in ab.items()})
+        row.update({f"ratio_{k}": v for k, v in m.ratio.items()})
+        row.update({f"ratio_rel_iqr_{k}": v["rel_iqr"] for k, v in m.ratio_spread.items()})
+        row["flags"] = m.flags
+    row["spec"] = spec.to_dict()
+    row["spread"] = m.spread
+    print(
+        f"    {spec.name}: decode {meas['decode_ms']:.3f} ms (pred {p['decode_ms']:.3f}, {row['err_decode_ms_pct']:+.2f}%), "
+        f"prefill {meas['prefill_ms']:.1f} ms ({row['err_prefill_ms_pct']:+.2f}%), memory "
+        f"{row['err_memory_bytes_pct']:+.3f}%",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
 
 
 def _latencies(prefill: float, decode: float, memory: float, output_len: int) -> dict[str, float]:
