@@ -203,23 +203,33 @@ def measure_interleaved(
     ref_info = _reference_info(rseries, reference_name, sched, load) if ref is not None else None
     if ref_info is not None:
         ref_info["memory"] = ref_memory
-    out = []
-    for i in range(n):
-        s = series[i]
-        raw = s.raw if timing else {}
-        mem = mems[i]
-        meas = Measurement.from_samples(
-            {k: v for k, v in raw.items() if k in TIMED}, sched.percentile, mem, {}, walls[i]
-        )
-        meas.raw.update({k: v for k, v in raw.items() if k not in TIMED})
-        meas.spread.update({k: spread(v) for k, v in raw.items() if k.endswith("_ms") and k not in TIMED and v})
-        if ref_info is not None and timing:
-            _apply_ratios(meas, s, ref_info, scale, sched.tolerance, names[i])
-        out.append(meas)
+    info = ref_info if timing else None
+    out = [_measurement(series[i], mems[i], walls[i], sched, info, scale, names[i], timing) for i in range(n)]
     if out and not timing:
         for m in out:
             m.wall_s = wall_all / n
     return out
+
+
+def _measurement(
+    s: _Series,
+    mem: dict[str, float],
+    wall: float,
+    sched: Schedule,
+    ref_info: dict[str, Any] | None,
+    scale: dict[str, float] | None,
+    name: str,
+    timing: bool,
+) -> Measurement:
+    """One model's :class:`Measurement` from its samples: timed figures at the schedule's percentile,
+    the other series' spread and, with a reference, its ratios to it."""
+    raw = s.raw if timing else {}
+    meas = Measurement.from_samples({k: v for k, v in raw.items() if k in TIMED}, sched.percentile, mem, {}, wall)
+    meas.raw.update({k: v for k, v in raw.items() if k not in TIMED})
+    meas.spread.update({k: spread(v) for k, v in raw.items() if k.endswith("_ms") and k not in TIMED and v})
+    if ref_info is not None:
+        _apply_ratios(meas, s, ref_info, scale, sched.tolerance, name)
+    return meas
 
 
 def all_flags(measurements: Iterable[Measurement]) -> list[str]:
