@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from autocompress_nemo.arch.counts import active_param_count, param_count
+from autocompress_nemo.arch.from_config import spec_from_model_config
 from autocompress_nemo.pretrain.cache import (
     DEFAULTS,
     RECORD,
@@ -145,15 +147,10 @@ def measured_where() -> dict[str, Any]:
 def pretrain(cfg: DictConfig, say: Any = print) -> dict[str, Any]:
     """Build the parent of ``cfg.model`` (a ``pretrained`` source) unless it is built; returns its
     ``pretrain.json`` record (with ``path``)."""
-    from autocompress_nemo.arch.counts import active_param_count, param_count
-    from autocompress_nemo.arch.from_config import spec_from_model_config
-    from autocompress_nemo.data import build_corpus
     from autocompress_nemo.distill.recover import distill
     from autocompress_nemo.distributed import init_distributed
     from autocompress_nemo.evaluate.perplexity import nll_sum
-    from autocompress_nemo.models.builder import build_model, forward_logits
-    from autocompress_nemo.models.llama.gguf_import import load_gguf_tokenizer
-    from autocompress_nemo.models.parent import package_file
+    from autocompress_nemo.models.builder import forward_logits
 
     model_cfg = cfg.model
     if str(model_cfg.source.kind) != "pretrained":
@@ -167,32 +164,13 @@ def pretrain(cfg: DictConfig, say: Any = print) -> dict[str, Any]:
         record = json.loads((out / RECORD).read_text())
         say(f"[pretrain] {model_cfg.name}: already built -> {out} (held-out ppl {record.get('final_ppl')})")
         return {**record, "path": str(out)}
-    own_dir = bool(str(model_cfg.source.path or ""))
-    data = _check_data(cfg, r, own_dir)
     t_start = time.perf_counter()
     work = out.with_name(out.name + ".work")
     work.mkdir(parents=True, exist_ok=True)
     seed = int(r["seed"])
     spec = spec_from_model_config(model_cfg)
-    n_params, n_active = param_count(spec), active_param_count(spec)
-    say(
-        f"[pretrain] {model_cfg.name}: {spec.pattern}, hidden {spec.hidden}, vocab {spec.vocab}: "
-        f"{n_params:,} parameters ({n_active:,} active per token) -> {out}"
-    )
-
-    tok = load_gguf_tokenizer(package_file(str(r["tokenizer_package"]), str(r["tokenizer_file"])))
-    if len(tok) > spec.vocab:
-        raise PretrainError(f"the tokenizer has {len(tok)} tokens but model.vocab={spec.vocab}; raise model.vocab")
-    t0 = time.perf_counter()
-    corpus = build_corpus(data, tok, cache_dir=cache_root() / "tokens")
-    summary = {k: v for k, v in corpus.summary().items() if k != "heldout_ids"}
-    say(
-        f"[pretrain] corpus data={data.get('name')}: {summary['train_tokens']:,} training tokens "
-        f"({summary['train_documents']} documents), {summary['heldout_tokens']:,} held out "
-        f"({summary['heldout_documents']}), tokenized/read in {time.perf_counter() - t0:.1f} s"
-    )
+    data, tok, summary, train, held = _corpus(cfg, r, spec, out, say)
     seq, bs = int(r["seq_len"]), int(r["batch_size"])
-    train, held = corpus.train(seq), corpus.heldout(seq)
     n_eval = min(int(r["eval_sequences"]), len(held))
     if n_eval < 1:
         raise PretrainError(f"the held-out text holds no sequence of {seq} tokens; lower seq_len")
@@ -207,20 +185,11 @@ def pretrain(cfg: DictConfig, say: Any = print) -> dict[str, Any]:
         return {"ppl": math.exp(total / count), "nll": total / count, "eval_s": time.perf_counter() - t}
 
     init_distributed(tp=1, pp=1, ep=1, backend="gloo", seed=seed)
-    aux = float(r["moe_aux_loss"])
-    if aux > 0 and "moe" in spec.kinds():
-        from autocompress_nemo.models.hybrid import build_hybrid_model
-
-        model = build_hybrid_model(
-            spec, init_seed=seed, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=aux
-        )
-    else:
-        model = build_model(spec, init_seed=seed)
+    model = _random_model(spec, r, seed)
     initial = evaluate(model)
     say(f"[pretrain] random init: held-out ppl {initial['ppl']:.1f} on {n_eval} x {seq} tokens")
     tc = train_config(r)
-    per_step = bs * seq
-    eval_every = max(1, int(r["eval_every_tokens"]) // per_step)
+    eval_every = max(1, int(r["eval_every_tokens"]) // (bs * seq))
     result = distill(
         model,
         None,
@@ -236,43 +205,125 @@ def pretrain(cfg: DictConfig, say: Any = print) -> dict[str, Any]:
         eval_every=eval_every,
         should_stop=plateau(float(r["stop_rel_drop"])),
     )
+    record = _record(model_cfg, spec, r, {"config": data, **summary}, result, tc, eval_every * bs * seq, initial)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    back = _write_parent(spec, model, tok, tmp, evaluate, record["final_ppl"], seed)
+    record.update(
+        heldout_eval={"sequences": n_eval, "seq_len": seq, "tokens_predicted": n_eval * (seq - 1)},
+        reloaded_ppl=back["ppl"],
+        this_invocation_s=time.perf_counter() - t_start,
+    )
+    (tmp / RECORD).write_text(json.dumps(record, indent=1, default=str))
+    if out.exists():  # an incomplete directory (no record): replaced
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    shutil.rmtree(work / "checkpoints", ignore_errors=True)  # resume state, no longer needed (tensorboard stays)
+    say(
+        f"[pretrain] {model_cfg.name}: {record['tokens']:,} tokens in {record['wall_s']:.0f} s "
+        f"({record['tokens_per_s']:.0f} tok/s), held-out ppl {initial['ppl']:.1f} -> {record['final_ppl']:.3f} "
+        f"({record['stopped']}) -> {out}"
+    )
+    return {**record, "path": str(out)}
+
+
+def _corpus(cfg: DictConfig, r: dict[str, Any], spec: Any, out: Path, say: Any) -> tuple[Any, ...]:
+    """The recipe's tokenizer and corpus: (data config, tokenizer, corpus summary, training stream,
+    held-out stream in ``seq_len`` sequences)."""
+    from autocompress_nemo.data import build_corpus
+    from autocompress_nemo.models.llama.gguf_import import load_gguf_tokenizer
+    from autocompress_nemo.models.parent import package_file
+
+    data = _check_data(cfg, r, bool(str(cfg.model.source.path or "")))
+    say(
+        f"[pretrain] {cfg.model.name}: {spec.pattern}, hidden {spec.hidden}, vocab {spec.vocab}: "
+        f"{param_count(spec):,} parameters ({active_param_count(spec):,} active per token) -> {out}"
+    )
+    tok = load_gguf_tokenizer(package_file(str(r["tokenizer_package"]), str(r["tokenizer_file"])))
+    if len(tok) > spec.vocab:
+        raise PretrainError(f"the tokenizer has {len(tok)} tokens but model.vocab={spec.vocab}; raise model.vocab")
+    t0 = time.perf_counter()
+    corpus = build_corpus(data, tok, cache_dir=cache_root() / "tokens")
+    summary = {k: v for k, v in corpus.summary().items() if k != "heldout_ids"}
+    say(
+        f"[pretrain] corpus data={data.get('name')}: {summary['train_tokens']:,} training tokens "
+        f"({summary['train_documents']} documents), {summary['heldout_tokens']:,} held out "
+        f"({summary['heldout_documents']}), tokenized/read in {time.perf_counter() - t0:.1f} s"
+    )
+    seq = int(r["seq_len"])
+    return data, tok, summary, corpus.train(seq), corpus.heldout(seq)
+
+
+def _random_model(spec: Any, r: dict[str, Any], seed: int) -> torch.nn.Module:
+    """The Megatron model of ``spec``, randomly initialized with ``seed``; MoE routers with Megatron's
+    load-balancing loss when the recipe's ``moe_aux_loss`` is positive."""
+    from autocompress_nemo.models.builder import build_model
+
+    aux = float(r["moe_aux_loss"])
+    if aux > 0 and "moe" in spec.kinds():
+        from autocompress_nemo.models.hybrid import build_hybrid_model
+
+        return build_hybrid_model(
+            spec, init_seed=seed, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=aux
+        )
+    return build_model(spec, init_seed=seed)
+
+
+def _write_parent(
+    spec: Any, model: torch.nn.Module, tok: Any, tmp: Path, evaluate: Any, trained_ppl: float, seed: int
+) -> dict[str, float]:
+    """Write the trained model as a Hugging Face Nemotron-H directory ``tmp`` with the tokenizer, read
+    it back and check it: the same held-out perplexity, the same token ids. Returns the evaluation
+    of the model read back."""
+    from autocompress_nemo.models.builder import build_model
+    from autocompress_nemo.models.nemotron_h import export_hf, hf_to_megatron, load_hf
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_hf(spec, model, tmp, tokenizer=tok)
+    rspec, rsd, rtok = load_hf(tmp)
+    reloaded = build_model(rspec, init_seed=seed)
+    hf_to_megatron(rspec, rsd, reloaded)
+    back = evaluate(reloaded)
+    if not math.isclose(back["ppl"], trained_ppl, rel_tol=1e-4):
+        raise RuntimeError(
+            f"the written parent {tmp} gives held-out ppl {back['ppl']:.4f}, the trained model {trained_ppl:.4f}"
+        )
+    if rtok is None or rtok("def f(x):\n    return x")["input_ids"] != tok("def f(x):\n    return x")["input_ids"]:
+        raise RuntimeError(f"the tokenizer written to {tmp} does not encode as SmolLM2's")
+    return back
+
+
+def _record(
+    model_cfg: Any,
+    spec: Any,
+    r: dict[str, Any],
+    data: dict[str, Any],
+    result: dict[str, Any],
+    tc: SimpleNamespace,
+    eval_tokens: int,
+    initial: dict[str, float],
+) -> dict[str, Any]:
+    """``pretrain.json``: the recipe, the data, the optimizer and schedule, the held-out curve from
+    ``initial`` (the random init's evaluation) on, and the times."""
     history = result["history"]
     curve = [{"tokens": 0, "ppl": initial["ppl"], "nll": initial["nll"]}] + [
         {"tokens": int(row["eval"]["tokens"]), "ppl": row["eval"]["ppl"], "nll": row["eval"]["nll"]}
         for row in history
         if "eval" in row
     ]
-    final = curve[-1]
     train_s = sum(float(row["step_s"]) for row in history)
     eval_s = sum(float(row["eval"]["eval_s"]) for row in history if "eval" in row)
     tokens = int(history[-1]["tokens"]) if history else 0
-
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    from autocompress_nemo.models.nemotron_h import export_hf, hf_to_megatron, load_hf
-
-    export_hf(spec, model, tmp, tokenizer=tok)
-    rspec, rsd, rtok = load_hf(tmp)
-    reloaded = build_model(rspec, init_seed=seed)
-    hf_to_megatron(rspec, rsd, reloaded)
-    back = evaluate(reloaded)
-    if not math.isclose(back["ppl"], final["ppl"], rel_tol=1e-4):
-        raise RuntimeError(
-            f"the written parent {tmp} gives held-out ppl {back['ppl']:.4f}, the trained model {final['ppl']:.4f}"
-        )
-    if rtok is None or rtok("def f(x):\n    return x")["input_ids"] != tok("def f(x):\n    return x")["input_ids"]:
-        raise RuntimeError(f"the tokenizer written to {tmp} does not encode as SmolLM2's")
-    record = {
+    return {
         "name": str(model_cfg.name),
         "key": parent_key(model_cfg),
         "command": build_command(model_cfg),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "pattern": spec.pattern,
-        "parameters": n_params,
-        "active_parameters": n_active,
+        "parameters": param_count(spec),
+        "active_parameters": active_param_count(spec),
         "recipe": r,
         "key_inputs": key_inputs(model_cfg),
-        "data": {"config": data, **summary},
+        "data": data,
         "loss": "next-token cross entropy (+ MoE load-balancing loss x moe_aux_loss during training)",
         "optimizer": result["optimizer"],
         "schedule": f"linear warm-up {tc.warmup_steps} steps, cosine {tc.lr} -> {tc.min_lr} at the {tc.tokens:,}-token cap",
@@ -280,19 +331,16 @@ def pretrain(cfg: DictConfig, say: Any = print) -> dict[str, Any]:
         "steps_cap": result["steps"],
         "tokens": tokens,
         "stopped": result["stopped"] or f"token cap {tc.tokens:,} reached",
-        "stop_rule": f"held-out ppl every {eval_every * per_step:,} tokens; stop when it falls < {r['stop_rel_drop']:.0%} "
+        "stop_rule": f"held-out ppl every {eval_tokens:,} tokens; stop when it falls < {r['stop_rel_drop']:.0%} "
         "over one interval, or at the cap",
-        "heldout_eval": {"sequences": n_eval, "seq_len": seq, "tokens_predicted": n_eval * (seq - 1)},
-        "initial_ppl": initial["ppl"],
-        "final_ppl": final["ppl"],
-        "reloaded_ppl": back["ppl"],
+        "initial_ppl": curve[0]["ppl"],
+        "final_ppl": curve[-1]["ppl"],
         "first_train_loss": history[0]["loss"] if history else None,
         "final_train_loss": history[-1]["loss"] if history else None,
         "curve": curve,
         "train_s": train_s,
         "eval_s": eval_s,
         "wall_s": train_s + eval_s,
-        "this_invocation_s": time.perf_counter() - t_start,
         "resumed_from_step": result["resumed_from_step"],
         "tokens_per_s": tokens / train_s if train_s else 0.0,
         "measured": measured_where(),
@@ -302,14 +350,3 @@ def pretrain(cfg: DictConfig, say: Any = print) -> dict[str, Any]:
             if (int(row["step"]) + 1) % 10 == 0 or row is history[-1]
         ],
     }
-    (tmp / RECORD).write_text(json.dumps(record, indent=1, default=str))
-    if out.exists():  # an incomplete directory (no record): replaced
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    shutil.rmtree(work / "checkpoints", ignore_errors=True)  # resume state, no longer needed (tensorboard stays)
-    say(
-        f"[pretrain] {model_cfg.name}: {tokens:,} tokens in {record['wall_s']:.0f} s "
-        f"({record['tokens_per_s']:.0f} tok/s), held-out ppl {initial['ppl']:.1f} -> {final['ppl']:.3f} "
-        f"({record['stopped']}) -> {out}"
-    )
-    return {**record, "path": str(out)}
