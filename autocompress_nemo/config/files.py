@@ -24,6 +24,20 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from autocompress_nemo.data.corpus import (
+    BINARY_FORMATS,
+    DataError,
+    binary_message,
+    is_binary,
+    listed_files,
+    load_documents,
+    missing_path_message,
+    split_documents,
+)
+from autocompress_nemo.data.encoding import check_text, encoding_problem
+from autocompress_nemo.data.indexed import blend_of, prefix_of
+from autocompress_nemo.data.records import is_saved_dataset
+
 _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _MEMO: dict[tuple[str, int, int], dict[str, Any]] = {}
 FULL_CHECK_BYTES = 256 << 20
@@ -203,8 +217,6 @@ def safetensors_problems(directory: Path, where: str) -> list[str]:
 
 # -- data -------------------------------------------------------------------------------------------
 def _megatron_problems(d: dict[str, Any]) -> list[str]:
-    from autocompress_nemo.data.corpus import DataError
-    from autocompress_nemo.data.indexed import blend_of, prefix_of
 
     try:
         blend = blend_of(d)
@@ -223,16 +235,6 @@ def _megatron_problems(d: dict[str, Any]) -> list[str]:
 
 def data_problems(c: dict[str, Any]) -> list[str]:
     """Problems of ``data.kind=files`` for the stages ``c`` runs (see the module docstring)."""
-    from autocompress_nemo.data.corpus import (
-        BINARY_FORMATS,
-        DataError,
-        binary_message,
-        is_binary,
-        listed_files,
-        load_documents,
-        split_documents,
-    )
-    from autocompress_nemo.data.records import is_saved_dataset
 
     d = c.get("data") or {}
     stages = set(c.get("stages") or [])
@@ -242,12 +244,27 @@ def data_problems(c: dict[str, Any]) -> list[str]:
         return _megatron_problems(d)
     if d.get("kind") != "files":
         return []
-    from autocompress_nemo.data.encoding import check_text, encoding_problem
-
     encoding = str(d.get("encoding") or "utf-8")
     bad_encoding = encoding_problem(encoding)
     if bad_encoding:
         return [bad_encoding]
+    p, files = _text_file_problems(d, encoding)
+    datasets = [Path(str(g)).expanduser() for g in d.get("paths") or []]
+    files += [f for g in datasets if is_saved_dataset(g) for f in listed_files(g)]
+    if p or not files or sum(f.stat().st_size for f in files) > FULL_CHECK_BYTES:
+        return p
+    try:
+        docs = load_documents(d)
+        train, held = split_documents(docs, float(d.get("holdout_fraction", 0.05)), list(d.get("heldout_files") or []))
+    except DataError as e:
+        return [f"data: {e}"]
+    return _batch_problems(c, stages, train, held)
+
+
+def _text_file_problems(d: dict[str, Any], encoding: str) -> tuple[list[str], list[Path]]:
+    """The files ``data.paths`` names (saved datasets aside), each checked: empty, binary, not valid
+    ``encoding`` text (the first ``MAX_NAMED`` named), unreadable. Returns (problems, text files)."""
+
     p: list[str] = []
     files: list[Path] = []
     for given in d.get("paths") or []:
@@ -260,7 +277,7 @@ def data_problems(c: dict[str, Any]) -> list[str]:
                 f"data.paths: {base} holds no text files (.txt .md .rst .py .jsonl .parquet); give a directory of text"
             )
         if is_saved_dataset(base):
-            continue  # read (and checked) as a dataset below
+            continue  # read (and checked) as a dataset by data_problems
         if base.is_file() and base.stat().st_size == 0:
             p.append(f"data.paths: {base} is empty (0 bytes); give a file with text")
             continue
@@ -283,15 +300,11 @@ def data_problems(c: dict[str, Any]) -> list[str]:
             f"data.paths: {len(undecodable) - MAX_NAMED} more files are not valid {encoding} text either "
             "(the first ones are named above); fix or remove them, or set data.encoding"
         )
-    datasets = [Path(str(g)).expanduser() for g in d.get("paths") or []]
-    files += [f for g in datasets if is_saved_dataset(g) for f in listed_files(g)]
-    if p or not files or sum(f.stat().st_size for f in files) > FULL_CHECK_BYTES:
-        return p
-    try:
-        docs = load_documents(d)
-        train, held = split_documents(docs, float(d.get("holdout_fraction", 0.05)), list(d.get("heldout_files") or []))
-    except DataError as e:
-        return [f"data: {e}"]
+    return p, files
+
+
+def _batch_problems(c: dict[str, Any], stages: set[str], train: list[Any], held: list[Any]) -> list[str]:
+    """A split that holds fewer tokens than one batch of a stage that reads it."""
     bound = {  # tokens at most: one per byte, plus one end-of-document token per document
         "train": sum(len(x.text.encode("utf-8")) for x in train) + len(train),
         "heldout": sum(len(x.text.encode("utf-8")) for x in held) + len(held),
@@ -306,6 +319,7 @@ def data_problems(c: dict[str, Any]) -> list[str]:
         )
     if "evaluate" in stages:
         needs.append(("heldout", "2 x evaluate.seq_len", 2 * _n(ev, "seq_len") + 1))
+    p = []
     for split, what, need in needs:
         if bound[split] < need:
             side = "training" if split == "train" else "held-out"
@@ -343,8 +357,6 @@ def weight_problems(name: str, src: dict[str, Any], m: dict[str, Any] | None = N
     if not path.exists():
         where = "model.source.file" if kind == "package" else "model.source.path"
         if path.is_symlink():  # a loop, or a link to nothing: say so, not "does not exist"
-            from autocompress_nemo.data.corpus import missing_path_message
-
             return [f"model {name}: " + missing_path_message(path, where)]
         fix = (
             f"reinstall the package ({resolve.INSTALL_HINTS.get(src.get('package', ''), 'pip install ...')})"
@@ -377,8 +389,6 @@ def init_from_problems(c: dict[str, Any]) -> list[str]:
         return []
     path = Path(given).expanduser()
     if not path.exists():
-        from autocompress_nemo.data.corpus import missing_path_message
-
         return [missing_path_message(path, "distill.init_from") + " (a Megatron-LM checkpoint directory), or unset it"]
     if not path.is_dir():
         return [f"distill.init_from={given}: {path} is a file; give the checkpoint directory (holding {TRACKER})"]
