@@ -172,43 +172,36 @@ def build_plan(cfg: Any) -> dict[str, Any]:
             "gpu": str(cfg.cluster.get("gpu", "")),
         },
     }
-    teacher_student = student if student is not None else parent
     for stage in DISTRIBUTED_STAGES:
-        layout = layout_for_stage(cfg.cluster, stage)
-        if stage in ("distill", "reconstruct"):  # both train the student next to the frozen parent
-            model, teacher, seq, batch = teacher_student, parent, int(cfg.distill.seq_len), int(cfg.distill.batch_size)
-            trainable, backward = True, True
-        else:  # rank runs the calibration set, search its training batches
-            batch = int(cfg.search.calib_sequences if stage == "rank" else cfg.search.batch_size)
-            model, teacher, seq = parent, None, int(cfg.search.seq_len)
-            trainable = stage == "search" and bool(cfg.search.train_weights)
-            backward = stage == "search"  # router gradients flow back through the whole supernet
-        problems = layout_problems(
-            layout, parent, seq_len=seq, global_batch=batch, micro_batch=int(cfg.cluster.micro_batch_size)
-        )
-        if stage == "distill" and model is not parent:
-            problems += [
-                p
-                for p in layout_problems(
-                    layout, model, seq_len=seq, global_batch=batch, micro_batch=int(cfg.cluster.micro_batch_size)
-                )
-                if p not in problems
-            ]
-        entry: dict[str, Any] = {"layout": layout.to_dict(), "layout_text": layout.describe(), "problems": problems}
-        if not problems:
-            entry["memory"] = _stage_memory(
-                stage,
-                layout,
-                model,
-                teacher,
-                cfg.cluster,
-                seq_len=seq,
-                global_batch=batch,
-                trainable=trainable,
-                backward=backward,
-            )
-        plan["stages"][stage] = entry
+        plan["stages"][stage] = _stage_plan(cfg, stage, parent, student if student is not None else parent)
     return plan
+
+
+def _stage_plan(cfg: Any, stage: str, parent: ArchSpec, student: ArchSpec) -> dict[str, Any]:
+    """One distributed stage's layout on the cluster, its problems and, without any, its memory per
+    device: distill and reconstruct train ``student`` next to the frozen parent, rank runs the
+    calibration set, search its training batches."""
+    layout = layout_for_stage(cfg.cluster, stage)
+    if stage in ("distill", "reconstruct"):  # both train the student next to the frozen parent
+        model, teacher, seq, batch = student, parent, int(cfg.distill.seq_len), int(cfg.distill.batch_size)
+        trainable, backward = True, True
+    else:  # rank runs the calibration set, search its training batches
+        batch = int(cfg.search.calib_sequences if stage == "rank" else cfg.search.batch_size)
+        model, teacher, seq = parent, None, int(cfg.search.seq_len)
+        trainable = stage == "search" and bool(cfg.search.train_weights)
+        backward = stage == "search"  # router gradients flow back through the whole supernet
+    micro = int(cfg.cluster.micro_batch_size)
+    problems = layout_problems(layout, parent, seq_len=seq, global_batch=batch, micro_batch=micro)
+    if stage == "distill" and model is not parent:
+        more = layout_problems(layout, model, seq_len=seq, global_batch=batch, micro_batch=micro)
+        problems += [p for p in more if p not in problems]
+    entry: dict[str, Any] = {"layout": layout.to_dict(), "layout_text": layout.describe(), "problems": problems}
+    if not problems:
+        train = {"trainable": trainable, "backward": backward}
+        entry["memory"] = _stage_memory(
+            stage, layout, model, teacher, cfg.cluster, seq_len=seq, global_batch=batch, **train
+        )
+    return entry
 
 
 def _gb(x: float | None) -> str:
