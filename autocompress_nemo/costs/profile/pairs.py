@@ -171,24 +171,7 @@ def build_pairs_table(
             f"memory {m.memory_bytes / 2**20:.2f} MiB"
         )
 
-    def slope(name: str, phase: str) -> float:
-        lo = getattr(meas[f"{name}_k{plan.k1}"] if plan.k1 else meas["base"], phase)
-        return (getattr(meas[f"{name}_k{plan.k2}"], phase) - lo) / (plan.k2 - plan.k1)
-
-    names = {v: k for k, v in plan.layers().items()}
-    c_empty = {p: slope("empty", p) if plan.empty else 0.0 for p in PHASES}
-    c_ffn = {
-        m: {p: slope(names[(plan.ffn_ref_attention, m)], p) - c_empty[p] for p in PHASES} for m in plan.ffn_options
-    }
-    c_attn = {
-        a: {p: slope(names[(a, plan.ffn_ref)], p) - c_empty[p] - c_ffn[plan.ffn_ref][p] for p in PHASES}
-        for a in plan.attention_options
-    }
-    a_p, m_p = plan.full
-    intercept = {p: meas["base"].__dict__[p] - 2 * (c_empty[p] + c_attn[a_p][p] + c_ffn[m_p][p]) for p in PHASES}
-    blocks = [{"block": m.__dict__, **c_ffn[m], "source": names[(plan.ffn_ref_attention, m)]} for m in plan.ffn_options]
-    blocks += [{"block": a.__dict__, **c_attn[a], "source": names[(a, plan.ffn_ref)]} for a in plan.attention_options]
-
+    intercept, c_empty, blocks = _coefficients(plan, meas)
     base = meas["base"]
     dtype = str(engine.cfg.dtype)
     base_spec = profile_spec(parent, plan.full, plan.full, 0, "base")
@@ -220,6 +203,31 @@ def build_pairs_table(
         memory=memory,
         runs=runs,
     )
+
+
+def _coefficients(plan: Any, meas: dict[str, Measurement]) -> tuple[dict, dict, list[dict[str, Any]]]:
+    """Each option's cost per phase from the profiling models' slopes in ``k``: (the intercept, an
+    empty layer's overhead, one row per ffn and attention option)."""
+
+    def slope(name: str, phase: str) -> float:
+        lo = getattr(meas[f"{name}_k{plan.k1}"] if plan.k1 else meas["base"], phase)
+        return (getattr(meas[f"{name}_k{plan.k2}"], phase) - lo) / (plan.k2 - plan.k1)
+
+    names = {v: k for k, v in plan.layers().items()}
+    c_empty = {p: slope("empty", p) if plan.empty else 0.0 for p in PHASES}
+    c_ffn = {
+        m: {p: slope(names[(plan.ffn_ref_attention, m)], p) - c_empty[p] for p in PHASES} for m in plan.ffn_options
+    }
+    c_attn = {
+        a: {p: slope(names[(a, plan.ffn_ref)], p) - c_empty[p] - c_ffn[plan.ffn_ref][p] for p in PHASES}
+        for a in plan.attention_options
+    }
+    a_p, m_p = plan.full
+    intercept = {p: meas["base"].__dict__[p] - 2 * (c_empty[p] + c_attn[a_p][p] + c_ffn[m_p][p]) for p in PHASES}
+    blocks = [{"block": m.__dict__, **c_ffn[m], "source": names[(plan.ffn_ref_attention, m)]} for m in plan.ffn_options]
+    blocks += [{"block": a.__dict__, **c_attn[a], "source": names[(a, plan.ffn_ref)]} for a in plan.attention_options]
+
+    return intercept, c_empty, blocks
 
 
 def _runtime_fit(engine: Engine, results: list[Measurement], base: Measurement) -> dict[str, Any]:
