@@ -250,51 +250,13 @@ def run_minitron_pp(
     directory, so it never holds the scores of other inputs)."""
     t0 = time.time()
     n_score = int(cfg.minitron_score_batches)
-    temperature = float(cfg.kd_temperature)
-    tokens = 0
     depth = bool(getattr(cfg, "minitron_depth", False))
     units = removable_units(parent, decisions) if depth else []
-    importance: list[dict[str, Any]] = []
-    order: list[Unit] = []
-    imp_tokens = 0
-    if units:
-        scores, imp_tokens = unit_importance(
-            model,
-            parent,
-            decisions,
-            units,
-            [batch_at(IMPORTANCE_OFFSET + s) for s in range(n_score)],
-            forward,
-            temperature,
-        )
-        tokens += imp_tokens
-        ranked = sorted(zip(scores, units, strict=True), key=lambda t: (t[0], t[1].blocks))
-        order = [u for _, u in ranked]
-        importance = [
-            {
-                "blocks": list(u.blocks),
-                "kinds": [parent.blocks[b].kind for b in u.blocks],
-                "kd_when_removed": round(s, 6),
-            }
-            for s, u in ranked
-        ]
-        log(
-            "minitron++ depth axis: importance (KD loss with the block alone removed), least important first: "
-            + ", ".join(f"{'+'.join(str(b) for b in u.blocks)}:{s:.4g}" for s, u in ranked)
-            + f" ({imp_tokens} tokens)"
-        )
+    order, importance, imp_tokens = _depth_order(model, parent, decisions, units, batch_at, forward, cfg, log)
+    tokens = imp_tokens
     feas = feasible_uniform(parent, decisions, costs, budgets, order)
     if not feas:
-        how = (
-            f"with the 0..{len(order)} least important removable blocks removed"
-            if depth
-            else "every block kept, as the paper's baseline; search.minitron_depth=true also lets it remove the "
-            "least important blocks"
-        )
-        raise ValueError(
-            f"Minitron++: no uniform architecture (one shape per block kind for all blocks, {how}) meets the "
-            "budget; the heterogeneous search space may still reach it"
-        )
+        raise _none_feasible(depth, len(order))
     top = select_candidates(feas, max(1, int(cfg.minitron_candidates)))
     ks = sorted({c.k for c in feas})
     log(f"minitron++: {len(feas)} feasible uniform candidates (blocks removed: {ks}); scoring {len(top)}")
@@ -303,92 +265,35 @@ def run_minitron_pp(
         raise ValueError("minitron_retrain_steps > 0 needs fresh_model() to copy the sorted parent")
     trajectory: list[dict[str, Any]] = _scored(checkpoint, top, log)
     tokens += sum(int(r.get("tokens", 0)) for r in trajectory)
-    best: tuple[float, list[int]] | None = None
-    for r in trajectory:
-        if best is None or r["kd"] < best[0]:
-            best = (float(r["kd"]), list(r["choices"]))
-    _resumed = list(trajectory)
-    t_cands = time.time()
+    resumed, t_cands = len(trajectory), time.time()
     log(
-        f"minitron++: scoring {len(top) - len(trajectory)} candidates, each {retrain} retraining steps and "
+        f"minitron++: scoring {len(top) - resumed} candidates, each {retrain} retraining steps and "
         f"{n_score} scoring batches"
     )
     for ci, cand in enumerate(top):
-        if ci < len(_resumed):
+        if ci < resumed:
             continue  # scored before the stage was interrupted
-        tokens_before = tokens
         cand_model = fresh_model() if retrain and fresh_model is not None else model
-        sn = Supernet(cand_model, parent, decisions)
-        sn.set_choices(cand.choices)
-        if retrain:
-
-            def teacher(x: torch.Tensor, sn: Supernet = sn) -> torch.Tensor:
-                sn.enabled = False
-                try:
-                    return forward(model, x)
-                finally:
-                    sn.enabled = True
-
-            for p in cand_model.parameters():
-                p.requires_grad_(True)
-
-            def student(x: torch.Tensor, m: torch.nn.Module = cand_model) -> torch.Tensor:
-                return forward(m, x)
-
-            kd_train(
-                cand_model,
-                teacher,
-                student,
-                steps_logged(
-                    (batch_at(RETRAIN_OFFSET + s) for s in range(retrain)),
-                    retrain,
-                    f"[minitron++ candidate {ci + 1}/{len(top)}] retraining step",
-                    log,
-                ),
-                lr=cfg.weight_lr,
-                temperature=temperature,
-            )
-            tokens += sum(batch_at(RETRAIN_OFFSET + s).numel() for s in range(retrain))
-        losses = []
-        with torch.no_grad():
-            for s in steps_logged(
-                range(n_score), n_score, f"[minitron++ candidate {ci + 1}/{len(top)}] scoring batch", log
-            ):
-                x = batch_at(SCORE_OFFSET + s)  # calibration batches disjoint from the retraining ones
-                sn.enabled = False
-                t = forward(model, x)
-                sn.enabled = True
-                losses.append(float(kd_loss(forward(cand_model, x), t, temperature)))
-                tokens += x.numel()
-        sn.remove()
-        score = sum(losses) / len(losses)
+        what = f"[minitron++ candidate {ci + 1}/{len(top)}]"
+        score, used = _score(model, cand_model, parent, decisions, cand.choices, batch_at, forward, cfg, what, log)
+        tokens += used
         arch = apply_choices(parent, decisions, cand.choices)
-        done = ci + 1 - len(_resumed)
-        left = (time.time() - t_cands) / max(done, 1) * (len(top) - ci - 1)
+        left = (time.time() - t_cands) / max(ci + 1 - resumed, 1) * (len(top) - ci - 1)
         log(
             f"minitron++ candidate {ci + 1}/{len(top)}: kd={score:.4f} spent={cand.spent:.3f} "
             f"removed={list(cand.removed)} {uniform_shape(arch)} "
             f"({len(top) - ci - 1} candidates left, ~{left:.0f} s)"
         )
-        trajectory.append(
-            {
-                "candidate": ci,
-                "kd": score,
-                "spent": cand.spent,
-                "choices": cand.choices,
-                "removed_blocks": list(cand.removed),
-                **{f"predicted_{m}": v for m, v in cand.costs.items()},
-                "tokens": tokens - tokens_before,
-            }
-        )
+        row = {"candidate": ci, "kd": score, "spent": cand.spent, "choices": cand.choices}
+        row.update(removed_blocks=list(cand.removed), **{f"predicted_{m}": v for m, v in cand.costs.items()})
+        trajectory.append({**row, "tokens": used})
         if checkpoint:
             _save_scored(checkpoint, trajectory)
-        if best is None or score < best[0]:
-            best = (score, cand.choices)
-    assert best is not None
+    best = min(trajectory, key=lambda r: float(r["kd"]))  # the first of equal scores, as scored
+    choices = list(best["choices"])
     return MinitronOutcome(
-        choices=best[1],
-        probs=[[1.0 if k == best[1][i] else 0.0 for k in range(len(d.options))] for i, d in enumerate(decisions)],
+        choices=choices,
+        probs=[[1.0 if k == choices[i] else 0.0 for k in range(len(d.options))] for i, d in enumerate(decisions)],
         trajectory=trajectory,
         tokens=tokens,
         wall_s=time.time() - t0,
@@ -396,6 +301,101 @@ def run_minitron_pp(
         importance_tokens=imp_tokens,
         depth=depth,
     )
+
+
+def _none_feasible(depth: bool, removable: int) -> ValueError:
+    how = (
+        f"with the 0..{removable} least important removable blocks removed"
+        if depth
+        else "every block kept, as the paper's baseline; search.minitron_depth=true also lets it remove the "
+        "least important blocks"
+    )
+    return ValueError(
+        f"Minitron++: no uniform architecture (one shape per block kind for all blocks, {how}) meets the "
+        "budget; the heterogeneous search space may still reach it"
+    )
+
+
+def _depth_order(
+    model: torch.nn.Module,
+    parent: ArchSpec,
+    decisions: list[Decision],
+    units: list[Unit],
+    batch_at: Callable[[int], torch.Tensor],
+    forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+    cfg: Any,
+    log: Callable[[str], None],
+) -> tuple[list[Unit], list[dict[str, Any]], int]:
+    """The removable ``units`` least important first (KD loss with the unit alone removed): (order,
+    its record, tokens spent). Nothing to order without units (the depth axis off)."""
+    if not units:
+        return [], [], 0
+    batches = [batch_at(IMPORTANCE_OFFSET + s) for s in range(int(cfg.minitron_score_batches))]
+    scores, used = unit_importance(model, parent, decisions, units, batches, forward, float(cfg.kd_temperature))
+    ranked = sorted(zip(scores, units, strict=True), key=lambda t: (t[0], t[1].blocks))
+    importance = [
+        {"blocks": list(u.blocks), "kinds": [parent.blocks[b].kind for b in u.blocks], "kd_when_removed": round(s, 6)}
+        for s, u in ranked
+    ]
+    log(
+        "minitron++ depth axis: importance (KD loss with the block alone removed), least important first: "
+        + ", ".join(f"{'+'.join(str(b) for b in u.blocks)}:{s:.4g}" for s, u in ranked)
+        + f" ({used} tokens)"
+    )
+    return [u for _, u in ranked], importance, used
+
+
+def _score(
+    model: torch.nn.Module,
+    cand_model: torch.nn.Module,
+    parent: ArchSpec,
+    decisions: list[Decision],
+    choices: list[int],
+    batch_at: Callable[[int], torch.Tensor],
+    forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+    cfg: Any,
+    what: str,
+    log: Callable[[str], None],
+) -> tuple[float, int]:
+    """One candidate's KD to the parent (``model`` with the supernet off) on the scoring batches,
+    after ``minitron_retrain_steps`` of KD retraining of ``cand_model`` when set: (score, tokens)."""
+    retrain, n_score = int(getattr(cfg, "minitron_retrain_steps", 0)), int(cfg.minitron_score_batches)
+    temperature = float(cfg.kd_temperature)
+    tokens = 0
+    sn = Supernet(cand_model, parent, decisions)
+    sn.set_choices(choices)
+    if retrain:
+
+        def teacher(x: torch.Tensor) -> torch.Tensor:
+            sn.enabled = False
+            try:
+                return forward(model, x)
+            finally:
+                sn.enabled = True
+
+        for p in cand_model.parameters():
+            p.requires_grad_(True)
+        batches = (batch_at(RETRAIN_OFFSET + s) for s in range(retrain))
+        kd_train(
+            cand_model,
+            teacher,
+            lambda x: forward(cand_model, x),
+            steps_logged(batches, retrain, f"{what} retraining step", log),
+            lr=cfg.weight_lr,
+            temperature=temperature,
+        )
+        tokens += sum(batch_at(RETRAIN_OFFSET + s).numel() for s in range(retrain))
+    losses = []
+    with torch.no_grad():
+        for s in steps_logged(range(n_score), n_score, f"{what} scoring batch", log):
+            x = batch_at(SCORE_OFFSET + s)  # calibration batches disjoint from the retraining ones
+            sn.enabled = False
+            t = forward(model, x)
+            sn.enabled = True
+            losses.append(float(kd_loss(forward(cand_model, x), t, temperature)))
+            tokens += x.numel()
+    sn.remove()
+    return sum(losses) / len(losses), tokens
 
 
 def steps_logged(items: Iterable[Any], total: int, what: str, log: Callable[[str], None]) -> Iterator[Any]:
