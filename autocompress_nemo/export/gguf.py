@@ -155,6 +155,40 @@ def _encode(w: np.ndarray, dtype: str) -> tuple[np.ndarray, Any]:
     return gguf.quants.quantize(w, qtype), qtype
 
 
+def _check_shapes(weights: dict[str, np.ndarray], shapes: dict[str, tuple[int, ...]]) -> None:
+    missing = [k for k in shapes if k not in weights]
+    wrong = {k: tuple(weights[k].shape) for k in shapes if k in weights and tuple(weights[k].shape) != shapes[k]}
+    bad = [f"{k}: {got} != {shapes[k]}" for k, got in wrong.items()]
+    if missing or bad:
+        raise ValueError(f"write_gguf: weights do not match the spec; missing {missing[:5]}, wrong shapes {bad[:5]}")
+
+
+def _add_shape(w: Any, spec: ArchSpec, context_length: int | None, dtype: str) -> None:
+    """The model's shape in the header: one head count and ffn size for a uniform stack (``llama``),
+    one per layer otherwise (``deci``)."""
+    layers, head_dim = spec.layers(), _head_dim(spec)
+    w.add_name(spec.name or "autocompress-nemo model")
+    w.add_block_count(len(layers))
+    w.add_context_length(context_length or spec.max_position)
+    w.add_embedding_length(spec.hidden)
+    w.add_vocab_size(spec.vocab)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(spec.rope_theta)
+    w.add_layer_norm_rms_eps(spec.norm_eps)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_file_type(_FTYPE[dtype])
+    if spec.is_uniform():
+        a0, m0 = layers[0]
+        w.add_head_count(a0.num_heads)
+        w.add_head_count_kv(a0.num_kv_groups)
+        w.add_feed_forward_length(m0.ffn)
+    else:
+        w.add_head_count([a.num_heads for a, _ in layers])
+        w.add_head_count_kv([a.num_kv_groups for a, _ in layers])
+        w.add_feed_forward_length([m.ffn for _, m in layers])
+
+
 def write_gguf(
     spec: ArchSpec,
     path: str | Path,
@@ -182,19 +216,9 @@ def write_gguf(
     layers = spec.layers()
     uniform = spec.is_uniform()
     arch = gguf.MODEL_ARCH.LLAMA if uniform else gguf.MODEL_ARCH.DECI
-    head_dim = _head_dim(spec)
     shapes = expected_hf_shapes(spec)
     if weights is not None:
-        missing = [k for k in shapes if k not in weights]
-        bad = [
-            f"{k}: {tuple(weights[k].shape)} != {s}"
-            for k, s in shapes.items()
-            if k in weights and tuple(weights[k].shape) != s
-        ]
-        if missing or bad:
-            raise ValueError(
-                f"write_gguf: weights do not match the spec; missing {missing[:5]}, wrong shapes {bad[:5]}"
-            )
+        _check_shapes(weights, shapes)
 
     def get(name: str) -> np.ndarray:
         if weights is not None:
@@ -207,26 +231,7 @@ def write_gguf(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     w = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[arch])
-    w.add_name(spec.name or "autocompress-nemo model")
-    w.add_block_count(len(layers))
-    w.add_context_length(context_length or spec.max_position)
-    w.add_embedding_length(spec.hidden)
-    w.add_vocab_size(spec.vocab)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(spec.rope_theta)
-    w.add_layer_norm_rms_eps(spec.norm_eps)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_file_type(_FTYPE[dtype])
-    if uniform:
-        a0, m0 = layers[0]
-        w.add_head_count(a0.num_heads)
-        w.add_head_count_kv(a0.num_kv_groups)
-        w.add_feed_forward_length(m0.ffn)
-    else:
-        w.add_head_count([a.num_heads for a, _ in layers])
-        w.add_head_count_kv([a.num_kv_groups for a, _ in layers])
-        w.add_feed_forward_length([m.ffn for _, m in layers])
+    _add_shape(w, spec, context_length, dtype)
     _copy_tokenizer(w, Path(tokenizer_from) if tokenizer_from else smollm2_gguf_path(), spec.vocab)
 
     def put(gguf_name: str, hf: str, arr: np.ndarray | None = None) -> None:

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.models.hybrid.names import NEMOTRON_H
 
 _FTYPE = {"f32": 0, "f16": 1}
 
@@ -146,57 +147,13 @@ def layer_arrays(spec: ArchSpec) -> dict[str, list[int]]:
     }
 
 
-def write_hybrid_gguf(
-    spec: ArchSpec,
-    path: str | Path,
-    weights: dict[str, Any] | None = None,
-    *,
-    tokenizer_from: str | Path | None = None,
-    dtype: str = "f32",
-    context_length: int | None = None,
-    seed: int = 0,
-) -> Path:
-    """Write the Nemotron-H ``spec`` to ``path`` as a ``nemotron_h`` / ``nemotron_h_moe`` GGUF.
-
-    ``weights``: a Nemotron-H-named state dict of ``spec`` (``models/hybrid/names.py``, e.g.
-    ``megatron_to_hf`` of the Megatron model); random weights (``random_hf_state_dict(seed)``) when
-    None. ``dtype``: f32 or f16 matrices (norms, biases and every Mamba tensor but ``ssm_in`` /
-    ``ssm_out`` stay F32: conv weight, A, D, gated norm). Raises ValueError
-    naming every problem of ``gguf_problems`` before anything is written."""
-    import gguf
-    import torch
-
-    from autocompress_nemo.export.gguf import _copy_tokenizer, finish_gguf, smollm2_gguf_path
-    from autocompress_nemo.models.hybrid.names import NEMOTRON_H
-    from autocompress_nemo.models.hybrid.state_dict import random_hf_state_dict
-    from autocompress_nemo.models.nemotron_h.hf_io import compact_state_dict
-
-    problems = gguf_problems(spec)
-    if problems:
-        raise ValueError(
-            f"llama.cpp cannot serve {spec.name or 'this hybrid'} as nemotron_h GGUF: " + "; ".join(problems)
-        )
-    if dtype not in _FTYPE:
-        raise ValueError(f"write_hybrid_gguf: dtype {dtype!r} not supported; use one of {sorted(_FTYPE)}")
-    sd = weights if weights is not None else random_hf_state_dict(spec, seed=seed)
-    c, csd = compact_state_dict(spec, dict(sd))
-    arrays = layer_arrays(spec)
-    arch = gguf_arch(spec)
+def _add_hybrid_shape(w: Any, spec: ArchSpec, c: ArchSpec, dtype: str, context_length: int | None) -> None:
+    """The header of the compacted hybrid ``c``: per-layer arrays (``layer_arrays``), the Mamba shape
+    and, with MoE blocks, the experts'."""
+    arrays, arch = layer_arrays(spec), gguf_arch(spec)
     att = next(b for b in c.blocks if isinstance(b, AttentionBlock))
     mam = next(b for b in c.blocks if isinstance(b, MambaBlock))
     moe = next((b for b in c.blocks if isinstance(b, MoeBlock)), None)
-    n = NEMOTRON_H
-
-    def arr(name: str) -> np.ndarray:
-        t = csd[name]
-        return (t.detach().to(torch.float32).cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)).astype(
-            np.float32
-        )
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), arch)
     w.add_name(spec.name or "autocompress-nemo hybrid")
     w.add_block_count(len(c.blocks))
     w.add_context_length(context_length or spec.max_position)
@@ -224,6 +181,89 @@ def write_hybrid_gguf(
         w.add_expert_weights_scale(float(spec.extra.get("routed_scaling_factor", 1.0)))
         if moe.latent:
             w.add_moe_latent_size(moe.latent)
+
+
+def _put_block(put: Any, arr: Any, i: int, b: Any, csd: dict[str, Any]) -> None:
+    """The tensors of block ``i`` under llama.cpp's ``blk.<i>.`` names."""
+    n = NEMOTRON_H
+    p = f"blk.{i}."
+    put(p + "attn_norm.weight", arr(n.key(i, "norm")))
+    if isinstance(b, MambaBlock):
+        put(p + "ssm_in.weight", arr(n.key(i, "in_proj")))
+        put(p + "ssm_conv1d.weight", arr(n.key(i, "conv_w")).reshape(-1, b.conv_kernel), f32=True)
+        if n.key(i, "conv_b") in csd:
+            put(p + "ssm_conv1d.bias", arr(n.key(i, "conv_b")))
+        put(p + "ssm_dt.bias", arr(n.key(i, "dt_bias")))
+        put(p + "ssm_a", -np.exp(arr(n.key(i, "A_log"))).reshape(-1, 1), f32=True)
+        put(p + "ssm_d", arr(n.key(i, "D")).reshape(-1, 1), f32=True)
+        put(p + "ssm_norm.weight", arr(n.key(i, "mnorm")).reshape(b.num_groups, -1), f32=True)
+        put(p + "ssm_out.weight", arr(n.key(i, "out_proj")))
+    elif isinstance(b, AttentionBlock):
+        for role, gname in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+            put(p + f"{gname}.weight", arr(n.key(i, role)))
+    elif isinstance(b, MlpBlock):
+        put(p + "ffn_up.weight", arr(n.key(i, "up")))
+        put(p + "ffn_down.weight", arr(n.key(i, "down")))
+    else:
+        assert isinstance(b, MoeBlock)
+        put(p + "ffn_gate_inp.weight", arr(n.key(i, "router")))
+        bias = n.key(i, "router_bias")
+        put(p + "exp_probs_b.bias", arr(bias) if bias in csd else np.zeros(b.num_experts, np.float32))
+        for role, gname in (("up", "ffn_up_exps"), ("down", "ffn_down_exps")):
+            put(p + f"{gname}.weight", np.stack([arr(n.key(i, f"expert_{role}", e)) for e in range(b.num_experts)]))
+        put(p + "ffn_up_shexp.weight", arr(n.key(i, "shared_up")))
+        put(p + "ffn_down_shexp.weight", arr(n.key(i, "shared_down")))
+        if b.latent:
+            put(p + "ffn_latent_down.weight", arr(n.key(i, "latent_down")))
+            put(p + "ffn_latent_up.weight", arr(n.key(i, "latent_up")))
+
+
+def write_hybrid_gguf(
+    spec: ArchSpec,
+    path: str | Path,
+    weights: dict[str, Any] | None = None,
+    *,
+    tokenizer_from: str | Path | None = None,
+    dtype: str = "f32",
+    context_length: int | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write the Nemotron-H ``spec`` to ``path`` as a ``nemotron_h`` / ``nemotron_h_moe`` GGUF.
+
+    ``weights``: a Nemotron-H-named state dict of ``spec`` (``models/hybrid/names.py``, e.g.
+    ``megatron_to_hf`` of the Megatron model); random weights (``random_hf_state_dict(seed)``) when
+    None. ``dtype``: f32 or f16 matrices (norms, biases and every Mamba tensor but ``ssm_in`` /
+    ``ssm_out`` stay F32: conv weight, A, D, gated norm). Raises ValueError
+    naming every problem of ``gguf_problems`` before anything is written."""
+    import gguf
+    import torch
+
+    from autocompress_nemo.export.gguf import _copy_tokenizer, finish_gguf, smollm2_gguf_path
+    from autocompress_nemo.models.hybrid.state_dict import random_hf_state_dict
+    from autocompress_nemo.models.nemotron_h.hf_io import compact_state_dict
+
+    problems = gguf_problems(spec)
+    if problems:
+        raise ValueError(
+            f"llama.cpp cannot serve {spec.name or 'this hybrid'} as nemotron_h GGUF: " + "; ".join(problems)
+        )
+    if dtype not in _FTYPE:
+        raise ValueError(f"write_hybrid_gguf: dtype {dtype!r} not supported; use one of {sorted(_FTYPE)}")
+    sd = weights if weights is not None else random_hf_state_dict(spec, seed=seed)
+    c, csd = compact_state_dict(spec, dict(sd))
+    n = NEMOTRON_H
+
+    def arr(name: str) -> np.ndarray:
+        t = csd[name]
+        return (t.detach().to(torch.float32).cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)).astype(
+            np.float32
+        )
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), gguf_arch(spec))
+    _add_hybrid_shape(w, spec, c, dtype, context_length)
     _copy_tokenizer(w, Path(tokenizer_from) if tokenizer_from else smollm2_gguf_path(), spec.vocab)
 
     def put(name: str, a: np.ndarray, f32: bool = False) -> None:
@@ -237,34 +277,5 @@ def write_hybrid_gguf(
     if not spec.tied_embeddings:
         put("output.weight", arr(n.lm_head))
     for i, b in enumerate(c.blocks):
-        p = f"blk.{i}."
-        put(p + "attn_norm.weight", arr(n.key(i, "norm")))
-        if isinstance(b, MambaBlock):
-            put(p + "ssm_in.weight", arr(n.key(i, "in_proj")))
-            put(p + "ssm_conv1d.weight", arr(n.key(i, "conv_w")).reshape(-1, b.conv_kernel), f32=True)
-            if n.key(i, "conv_b") in csd:
-                put(p + "ssm_conv1d.bias", arr(n.key(i, "conv_b")))
-            put(p + "ssm_dt.bias", arr(n.key(i, "dt_bias")))
-            put(p + "ssm_a", -np.exp(arr(n.key(i, "A_log"))).reshape(-1, 1), f32=True)
-            put(p + "ssm_d", arr(n.key(i, "D")).reshape(-1, 1), f32=True)
-            put(p + "ssm_norm.weight", arr(n.key(i, "mnorm")).reshape(b.num_groups, -1), f32=True)
-            put(p + "ssm_out.weight", arr(n.key(i, "out_proj")))
-        elif isinstance(b, AttentionBlock):
-            for role, gname in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
-                put(p + f"{gname}.weight", arr(n.key(i, role)))
-        elif isinstance(b, MlpBlock):
-            put(p + "ffn_up.weight", arr(n.key(i, "up")))
-            put(p + "ffn_down.weight", arr(n.key(i, "down")))
-        else:
-            assert isinstance(b, MoeBlock)
-            put(p + "ffn_gate_inp.weight", arr(n.key(i, "router")))
-            bias = n.key(i, "router_bias")
-            put(p + "exp_probs_b.bias", arr(bias) if bias in csd else np.zeros(b.num_experts, np.float32))
-            for role, gname in (("up", "ffn_up_exps"), ("down", "ffn_down_exps")):
-                put(p + f"{gname}.weight", np.stack([arr(n.key(i, f"expert_{role}", e)) for e in range(b.num_experts)]))
-            put(p + "ffn_up_shexp.weight", arr(n.key(i, "shared_up")))
-            put(p + "ffn_down_shexp.weight", arr(n.key(i, "shared_down")))
-            if b.latent:
-                put(p + "ffn_latent_down.weight", arr(n.key(i, "latent_down")))
-                put(p + "ffn_latent_up.weight", arr(n.key(i, "latent_up")))
+        _put_block(put, arr, i, b, csd)
     return finish_gguf(w, tmp, path)
