@@ -156,6 +156,22 @@ def _prompts(vocab: int, n: int, length: int, rng: random.Random) -> list[dict[s
     return [{"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(length)]} for _ in range(n)]
 
 
+def _memory_source(per_token: float, cuda: bool) -> dict[str, str]:
+    """Where each part of ``measure``'s memory comes from."""
+    return {
+        "weights": "vLLM worker: bytes of the loaded model's parameters (CPU: repacked linear "
+        "weights counted from their layers' shapes)",
+        "kv": f"vLLM kv_cache_config: {per_token:.1f} bytes/token x context_len x batch",
+        "compute": "vLLM worker: torch.cuda peak over the timed runs above the memory held before them"
+        if cuda
+        else "vLLM engine process: resident-set peak (VmHWM) over the runs above its resident set before them",
+        "output": "not measured on CUDA (0)"
+        if cuda
+        else "vLLM engine process: resident-set peak less weights, the workload's KV, the KV pool's surplus and "
+        "the workspace (interpreter, torch / vLLM runtime and buffers)",
+    }
+
+
 def measure(req: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
@@ -214,18 +230,7 @@ def measure(req: dict[str, Any]) -> dict[str, Any]:
         "device": _device(),
         "samples": samples,
         "memory": memory,
-        "memory_source": {
-            "weights": "vLLM worker: bytes of the loaded model's parameters (CPU: repacked linear "
-            "weights counted from their layers' shapes)",
-            "kv": f"vLLM kv_cache_config: {per_token:.1f} bytes/token x context_len x batch",
-            "compute": "vLLM worker: torch.cuda peak over the timed runs above the memory held before them"
-            if cuda
-            else "vLLM engine process: resident-set peak (VmHWM) over the runs above its resident set before them",
-            "output": "not measured on CUDA (0)"
-            if cuda
-            else "vLLM engine process: resident-set peak less weights, the workload's KV, the KV pool's surplus and "
-            "the workspace (interpreter, torch / vLLM runtime and buffers)",
-        },
+        "memory_source": _memory_source(per_token, cuda),
         "engine_report": {
             "kv_cache_tokens": before["kv_tokens"],
             "kv_cache_bytes": before["kv_allocated"],
