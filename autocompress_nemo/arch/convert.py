@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from autocompress_nemo.arch.loaders import HfLoader, as_loader
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
 
 _FAMILY_OF_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
@@ -55,8 +56,6 @@ DECI_AUTO_MAP = {
     "AutoConfig": "configuration_decilm.DeciLMConfig",
     "AutoModelForCausalLM": "modeling_decilm.DeciLMForCausalLM",
 }
-GPU_ENGINES = ("vllm", "trtllm")
-"""Engines whose DeciLM loader reads the global query heads and a fixed ffn key (see the module doc)."""
 
 
 def ffn_mult_to_intermediate_size(ffn_mult: float, hidden: int) -> int:
@@ -174,31 +173,32 @@ def _base_config(spec: ArchSpec, head_dim: int, heads: int, kv: int, ffn: int) -
     return cfg
 
 
-def engine_problems(spec: ArchSpec, engine: str) -> list[str]:
-    """Why ``engine``'s DeciLM loader would not read heterogeneous dense ``spec`` the way it is
-    meant (empty: it would). Only ``vllm`` and ``trtllm`` have rules; see the module doc."""
-    if engine not in GPU_ENGINES:
+def engine_problems(spec: ArchSpec, engine: HfLoader | str) -> list[str]:
+    """Why ``engine``'s DeciLM loader (``arch/loaders.py``; a name: that engine's) would not read
+    heterogeneous dense ``spec`` the way it is meant (empty: it would); see the module doc."""
+    loader = as_loader(engine)
+    if not loader.deci_global_query_heads:
         return []
     out: list[str] = []
     layers = spec.layers()
     present = [a for a, _ in layers if not a.removed]
     if len({a.num_heads for a in present}) > 1:
         out.append(
-            f"query heads differ between layers ({sorted({a.num_heads for a in present})}): {engine}'s DeciLM "
+            f"query heads differ between layers ({sorted({a.num_heads for a in present})}): {loader.name}'s DeciLM "
             "loader reads one global num_attention_heads (KV heads = num_attention_heads // n_heads_in_group)"
         )
     for i, (a, _) in enumerate(layers):
         if not a.removed and a.num_heads % a.num_kv_groups:
             out.append(f"layer {i}: {a.num_heads} query heads are not a multiple of {a.num_kv_groups} KV groups")
-    if engine == "trtllm":
+    if loader.deci_ffn_grid:
         for i, (_, m) in enumerate(layers):
             if not m.removed and ffn_mult_to_intermediate_size(ffn_mult_of(m.ffn, spec.hidden), spec.hidden) != m.ffn:
                 out.append(
-                    f"layer {i}: ffn width {m.ffn} is not a multiple of 256: trtllm's DeciLM loader reads only "
-                    "ffn_mult and rounds int(2 * ffn_mult * hidden / 3) up to a multiple of 256 "
-                    "(capabilities.ffn_align: 256)"
+                    f"layer {i}: ffn width {m.ffn} is not a multiple of {loader.deci_ffn_grid}: {loader.name}'s DeciLM "
+                    f"loader reads only ffn_mult and rounds int(2 * ffn_mult * hidden / 3) up to a multiple of "
+                    f"{loader.deci_ffn_grid} (capabilities.ffn_align: {loader.deci_ffn_grid})"
                 )
-    if engine == "vllm":
+    if loader.deci_first_block_full:
         # nemotron_nas.DeciModel.forward: a layer with a no-op attention and an ffn, before any layer
         # has run, calls post_attention_layernorm(hidden, residual=None), which returns one tensor
         # where two are unpacked
@@ -212,7 +212,7 @@ def engine_problems(spec: ArchSpec, engine: str) -> list[str]:
     return out
 
 
-def hf_config_from_spec(spec: ArchSpec, engine: str = "") -> dict[str, Any]:
+def hf_config_from_spec(spec: ArchSpec, engine: HfLoader | str = "") -> dict[str, Any]:
     """``config.json`` contents for ``spec``: family config if uniform, DeciLM otherwise, written the
     way ``engine``'s loader reads it (``vllm``: ``intermediate_size``; ``trtllm``: ``ffn_mult``;
     other engines / ``""``: both, plus per-layer query heads when they differ). Raises naming the
@@ -229,10 +229,11 @@ def hf_config_from_spec(spec: ArchSpec, engine: str = "") -> dict[str, Any]:
         return cfg
     if spec.extra.get("qk_layernorm") or spec.extra.get("qkv_bias"):
         raise ValueError("a heterogeneous Qwen2/Qwen3 model (qkv bias / q-k norms) has no DeciLM config to export to")
-    problems = engine_problems(spec, engine)
+    loader = as_loader(engine)
+    problems = engine_problems(spec, loader)
     if problems:
         raise ValueError(
-            f"ArchSpec {spec.name!r} cannot be written as a DeciLM config that {engine} reads the same way: "
+            f"ArchSpec {spec.name!r} cannot be written as a DeciLM config that {loader.name} reads the same way: "
             + "; ".join(problems)
         )
     present = [a for a, _ in layers if not a.removed]
@@ -257,9 +258,9 @@ def hf_config_from_spec(spec: ArchSpec, engine: str = "") -> dict[str, Any]:
             "ffn_hidden_size": None if mlp.removed else mlp.ffn,
         }
         if not mlp.removed:
-            if engine != "trtllm":
+            if "intermediate_size" in loader.deci_ffn_keys:
                 f["intermediate_size"] = mlp.ffn
-            if engine != "vllm":  # vLLM takes ffn_mult whenever the key is there
+            if "ffn_mult" in loader.deci_ffn_keys:  # vLLM takes ffn_mult whenever the key is there
                 f["ffn_mult"] = ffn_mult_of(mlp.ffn, spec.hidden)
         blocks.append({"attention": a, "ffn": f})
     cfg.update(

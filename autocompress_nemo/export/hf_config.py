@@ -46,7 +46,7 @@ def torch_dtype_name(dtype: str) -> str:
     return TORCH_DTYPE.get(str(dtype).lower().removeprefix("torch."), "bfloat16")
 
 
-def hf_config_for_engine(spec: ArchSpec, engine: str = "") -> dict[str, Any]:
+def hf_config_for_engine(spec: ArchSpec, engine: Any = "") -> dict[str, Any]:
     """The ``config.json`` dict of ``spec`` as ``engine``'s loader reads it (see the module doc).
     Hybrids are written without their removed blocks (``nemotron_h.config.export_spec``). Raises
     ``ValueError`` naming the engine when its loader cannot read ``spec`` the same way."""
@@ -64,7 +64,7 @@ def hf_config_for_engine(spec: ArchSpec, engine: str = "") -> dict[str, Any]:
     return nemotron_h_config(export_spec(spec)[0], engine)
 
 
-def write_hf_config_dir(spec: ArchSpec, out_dir: str | os.PathLike[str], engine: str = "", dtype: str = "bf16") -> Path:
+def write_hf_config_dir(spec: ArchSpec, out_dir: str | os.PathLike[str], engine: Any = "", dtype: str = "bf16") -> Path:
     """Write ``config.json`` of ``spec`` as ``engine`` reads it (``hf_config_for_engine``) and the
     remote-code files its ``auto_map`` names into ``out_dir``; no weights. ``dtype``: the engine's
     weight dtype (``bf16``, ``f16``, ``fp8`` ... or a torch name). Returns ``out_dir``."""

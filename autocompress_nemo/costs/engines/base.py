@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from autocompress_nemo.arch.loaders import GENERIC, HfLoader
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
 from autocompress_nemo.config.engine import (
     EngineCapabilities,
@@ -233,6 +234,9 @@ class Engine:
     """The engine allocates KV cells in multiples of this (llama.cpp: 256); 0: exactly context x batch."""
     gpu_only = False
     """It runs on NVIDIA GPUs only (TensorRT-LLM)."""
+    hf_loader: HfLoader = GENERIC
+    """What its Hugging Face loader reads of a heterogeneous config (``arch/loaders.py``): the export
+    writes that, and refuses what it would misread."""
 
     # -- what the rest of the package asks an engine without building one (``engine_class(name)``) --
     @classmethod

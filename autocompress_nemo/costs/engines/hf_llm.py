@@ -56,7 +56,7 @@ class HfLlmEngine(Engine):
         this engine's loader reads it (``export/hf_config.py``)."""
         from autocompress_nemo.export.hf_config import write_hf_config_dir
 
-        return write_hf_config_dir(spec, out_dir, self.name, str(self.cfg.dtype))
+        return write_hf_config_dir(spec, out_dir, self.hf_loader, str(self.cfg.dtype))
 
     def call(self, request: dict[str, Any], what: str, log: Any = None) -> dict[str, Any]:
         """One worker call (``worker.run_worker``); remembers the engine version and device it reports."""

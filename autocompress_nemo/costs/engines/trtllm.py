@@ -9,6 +9,7 @@ false``). Memory as TensorRT-LLM reports it through its API in the worker.
 
 from __future__ import annotations
 
+from autocompress_nemo.arch.loaders import TRTLLM
 from autocompress_nemo.costs.engines.hf_llm import HfLlmEngine
 
 MAX_NUM_TOKENS = 8192
@@ -17,5 +18,6 @@ MAX_NUM_TOKENS = 8192
 
 class TrtllmEngine(HfLlmEngine):
     name = "trtllm"
+    hf_loader = TRTLLM
     gpu_only = True
     worker = "trtllm_worker.py"

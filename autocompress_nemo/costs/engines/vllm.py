@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from autocompress_nemo.arch.loaders import VLLM
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MoeBlock
 from autocompress_nemo.costs.engines.hf_llm import HfLlmEngine
 
@@ -24,6 +25,7 @@ shown by ``tests/test_vllm_cpu.py::test_vllm_cpu_refuses_head_dim_16``."""
 
 class VllmEngine(HfLlmEngine):
     name = "vllm"
+    hf_loader = VLLM
     worker = "vllm_worker.py"
 
     @classmethod

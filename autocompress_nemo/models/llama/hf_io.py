@@ -36,7 +36,7 @@ def export_hf(
     out_dir: str | os.PathLike[str],
     tokenizer: Any = None,
     dtype: torch.dtype = torch.float32,
-    engine: str = "",
+    engine: Any = "",
 ) -> Path | None:
     """Write ``config.json`` + safetensors (+ tokenizer) for ``spec`` into ``out_dir``, the config
     written the way ``engine``'s loader reads it (``arch.convert.hf_config_from_spec``; a DeciLM

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from autocompress_nemo.arch.loaders import HfLoader, as_loader
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MambaBlock, MlpBlock, MoeBlock
 
 BLOCK_TYPE = {"mamba": "mamba", "attention": "attention", "mlp": "mlp", "moe": "moe"}
@@ -79,10 +80,12 @@ def is_uniform(spec: ArchSpec) -> bool:
     return all(not b.removed and seen.setdefault(b.kind, b) == b for b in spec.blocks)
 
 
-def engine_problems(spec: ArchSpec, engine: str) -> list[str]:
-    """Why ``engine``'s Nemotron-H Puzzle loader would not read heterogeneous ``spec`` (removed blocks
-    dropped) the way it is meant; empty: it would (or ``engine`` has no rules: not vllm / trtllm)."""
-    if engine not in ("vllm", "trtllm") or is_uniform(spec):
+def engine_problems(spec: ArchSpec, engine: HfLoader | str) -> list[str]:
+    """Why ``engine``'s Nemotron-H Puzzle loader (``arch/loaders.py``; a name: that engine's) would not
+    read heterogeneous ``spec`` (removed blocks dropped) the way it is meant; empty: it would (or the
+    loader reads every block's own shape)."""
+    loader = as_loader(engine)
+    if not loader.hybrid_global or is_uniform(spec):
         return []
     out: list[str] = []
 
@@ -91,18 +94,21 @@ def engine_problems(spec: ArchSpec, engine: str) -> list[str]:
         if len(shapes) > 1:
             out.append(f"{cls.__name__} {'/'.join(fields)} differ between blocks ({sorted(shapes)}): {why}")
 
-    mamba_why = f"{engine}'s Nemotron-H Mamba layer reads the global mamba_num_heads / ssm_state_size / n_groups"
-    differ(MambaBlock, ("num_heads", "head_dim", "state_size", "num_groups", "conv_kernel"), mamba_why)
-    if engine == "trtllm":
-        differ(AttentionBlock, ("num_heads", "num_kv_groups"), "trtllm's Nemotron-H attention reads global heads")
-        differ(MlpBlock, ("ffn",), "trtllm's Nemotron-H MLP layer reads the global intermediate_size")
-        shared = {bool(b.shared_ffn) for b in spec.blocks if isinstance(b, MoeBlock)}
-        if len(shared) > 1:
-            out.append("some MoE blocks have a shared expert and some not: trtllm reads n_shared_experts globally")
+    who, glob = loader.name, set(loader.hybrid_global)
+    if "mamba" in glob:
+        why = f"{who}'s Nemotron-H Mamba layer reads the global mamba_num_heads / ssm_state_size / n_groups"
+        differ(MambaBlock, ("num_heads", "head_dim", "state_size", "num_groups", "conv_kernel"), why)
+    if "attention" in glob:
+        differ(AttentionBlock, ("num_heads", "num_kv_groups"), f"{who}'s Nemotron-H attention reads global heads")
+    if "mlp" in glob:
+        differ(MlpBlock, ("ffn",), f"{who}'s Nemotron-H MLP layer reads the global intermediate_size")
+    shared = {bool(b.shared_ffn) for b in spec.blocks if isinstance(b, MoeBlock)}
+    if "shared_expert" in glob and len(shared) > 1:
+        out.append(f"some MoE blocks have a shared expert and some not: {who} reads n_shared_experts globally")
     return out
 
 
-def hf_config_from_spec(spec: ArchSpec, engine: str = "") -> dict[str, Any]:
+def hf_config_from_spec(spec: ArchSpec, engine: HfLoader | str = "") -> dict[str, Any]:
     """The config.json dict of ``spec`` (uniform: NemotronHForCausalLM; else Puzzle, with ``auto_map``).
     Removed blocks must have been dropped first (``export_spec``). Raises naming ``engine`` when its
     loader cannot read a heterogeneous ``spec`` (``engine_problems``)."""
@@ -160,7 +166,7 @@ def hf_config_from_spec(spec: ArchSpec, engine: str = "") -> dict[str, Any]:
     problems = engine_problems(spec, engine)
     if problems:
         raise ValueError(
-            f"ArchSpec {spec.name!r} cannot be written as a Nemotron-H Puzzle config that {engine} reads "
+            f"ArchSpec {spec.name!r} cannot be written as a Nemotron-H Puzzle config that {as_loader(engine).name} reads "
             "the same way: " + "; ".join(problems)
         )
     cfg.update(

@@ -43,7 +43,7 @@ def export_hf(
     out_dir: str | os.PathLike[str],
     tokenizer: Any = None,
     dtype: torch.dtype = torch.float32,
-    engine: str = "",
+    engine: Any = "",
 ) -> Path | None:
     """Write ``spec`` (uniform: ``NemotronHForCausalLM``; heterogeneous: Puzzle format, with its
     ``auto_map`` configuration code) to ``out_dir``, written the way ``engine``'s loader reads it.
