@@ -31,3 +31,27 @@ def test_a_kind_missing_a_method_cannot_be_built() -> None:
 def test_unknown_kind_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match=r"unknown block kind 'conv'.*attention"):
         kind_of("conv")
+
+
+def test_each_kind_words_its_shape_for_the_report_the_log_and_the_plots() -> None:
+    """The report's width column, Minitron++'s candidate line and the width plot ask the kind (the
+    texts are the ones the per-kind switches in report/ and search/minitron.py wrote)."""
+    from autocompress_nemo.arch.spec import AttentionBlock, MambaBlock, MlpBlock, MoeBlock
+    from autocompress_nemo.report.tables import block_width
+    from autocompress_nemo.search.minitron import uniform_shape
+    from tests.hybrid_utils import hetero_hybrid_spec
+
+    cases = [
+        (AttentionBlock(8, 4, 64), "8h/4kv", "heads=8 kv=4", 8),
+        (MlpBlock(1536), "1536", "ffn=1536", 1536),
+        (MoeBlock(32, 512, 2, shared_ffn=1024), "32 experts x 512 (top-2), shared 1024", "experts=32x512 top2 shared=1024", 32 * 512 + 1024),
+        (MoeBlock(0, 0, 2, shared_ffn=64), "no routed experts, shared 64", "experts=0x0 top2 shared=64", 64),
+        (MambaBlock(8, 16, 32, 2), "8 heads/2 groups", "heads=8", 8),
+    ]  # fmt: skip
+    for block, words, fields, width in cases:
+        k = kind_of(block)
+        assert (block_width(block), k.fields(block), k.plot_width(block)) == (words, fields, width)
+    assert block_width(AttentionBlock(0, 0, 64)) == "removed"
+    spec = hetero_hybrid_spec()
+    line = uniform_shape(spec)
+    assert all(f"{b.kind}: " in line for b in spec.blocks), line

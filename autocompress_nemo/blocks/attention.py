@@ -81,6 +81,15 @@ class Attention(Kind):
     def describe(self, block: AttentionBlock) -> str:
         return f"A{block.num_heads}h{block.num_kv_groups}kv"
 
+    def words(self, block: AttentionBlock) -> str:
+        return f"{block.num_heads}h/{block.num_kv_groups}kv"
+
+    def fields(self, block: AttentionBlock) -> str:
+        return f"heads={block.num_heads} kv={block.num_kv_groups}"
+
+    def plot_width(self, block: AttentionBlock) -> int:
+        return block.num_heads
+
     def prefix_problem(self, p: AttentionBlock, c: AttentionBlock) -> str | None:
         if c.num_kv_groups > p.num_kv_groups or c.heads_per_group > p.heads_per_group or c.head_dim != p.head_dim:
             return f"attention {c} is not a prefix of the parent's {p}"

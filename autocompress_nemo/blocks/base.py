@@ -111,6 +111,18 @@ class Kind(ABC):
         """A short shape for logs (``A9h3kv``, ``F1536``, ...)."""
 
     @abstractmethod
+    def words(self, block: Any) -> str:
+        """The shape in the report's words (``8h/4kv``, ``1536``, ``32 experts x 512 (top-2), shared 1024``)."""
+
+    @abstractmethod
+    def fields(self, block: Any) -> str:
+        """The shape as ``key=value`` words (``heads=9 kv=3``, ``ffn=1536``) for Minitron++'s log."""
+
+    @abstractmethod
+    def plot_width(self, block: Any) -> int:
+        """One number for a width plot: heads, the ffn width, the experts' total width."""
+
+    @abstractmethod
     def prefix_problem(self, parent_block: Any, child_block: Any) -> str | None:
         """Why ``child_block`` is not a prefix of ``parent_block`` (None: it is)."""
 

@@ -61,6 +61,15 @@ class Mamba(Kind):
     def describe(self, block: MambaBlock) -> str:
         return f"M{block.num_heads}h{block.num_groups}g"
 
+    def words(self, block: MambaBlock) -> str:
+        return f"{block.num_heads} heads/{block.num_groups} groups"
+
+    def fields(self, block: MambaBlock) -> str:
+        return f"heads={block.num_heads}"
+
+    def plot_width(self, block: MambaBlock) -> int:
+        return block.num_heads
+
     def prefix_problem(self, p: MambaBlock, c: MambaBlock) -> str | None:
         hpg = p.num_heads // p.num_groups
         if (

@@ -68,6 +68,15 @@ class Mlp(Kind):
     def describe(self, block: MlpBlock) -> str:
         return f"F{block.ffn}"
 
+    def words(self, block: MlpBlock) -> str:
+        return str(block.ffn)
+
+    def fields(self, block: MlpBlock) -> str:
+        return f"ffn={block.ffn}"
+
+    def plot_width(self, block: MlpBlock) -> int:
+        return block.ffn
+
     def prefix_problem(self, p: MlpBlock, c: MlpBlock) -> str | None:
         return f"ffn {c.ffn} > parent's {p.ffn}" if c.ffn > p.ffn else None
 

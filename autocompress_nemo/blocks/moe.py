@@ -157,6 +157,20 @@ class Moe(Kind):
     def describe(self, block: MoeBlock) -> str:
         return f"E{block.num_experts}x{block.expert_ffn}k{block.top_k}+s{block.shared_ffn}"
 
+    def words(self, b: MoeBlock) -> str:  # routed experts x expert width (top-k), shared-expert width
+        routed = (
+            f"{b.num_experts} experts x {b.expert_ffn} (top-{b.top_k})"
+            if b.num_experts and b.expert_ffn
+            else "no routed experts"
+        )
+        return f"{routed}, shared {b.shared_ffn}"
+
+    def fields(self, b: MoeBlock) -> str:
+        return f"experts={b.num_experts}x{b.expert_ffn} top{b.top_k} shared={b.shared_ffn}"
+
+    def plot_width(self, b: MoeBlock) -> int:
+        return b.num_experts * b.expert_ffn + b.shared_ffn
+
     def prefix_problem(self, p: MoeBlock, c: MoeBlock) -> str | None:
         if (
             c.num_experts > p.num_experts

@@ -18,7 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.blocks import kind_of
 from autocompress_nemo.report.tables import COST_METRICS, UNITS, spec_of
 
 COLORS = {"parent": "0.55", "autocompress": "tab:blue", "minitron_pp": "tab:orange"}
@@ -45,16 +46,6 @@ def _scale(metric: str, v: float) -> float:
     return v / 2**20 if metric == "memory_bytes" else v
 
 
-def _width(b: Any) -> int:
-    if isinstance(b, AttentionBlock | MambaBlock):
-        return b.num_heads
-    if isinstance(b, MlpBlock):
-        return b.ffn
-    if isinstance(b, MoeBlock):
-        return b.num_experts * b.expert_ffn + b.shared_ffn
-    return 0
-
-
 def plot_widths(res: dict[str, Any], path: Path) -> Path | str:
     specs: dict[str, ArchSpec] = {k: s for k, e in res["models"].items() if (s := spec_of(e)) is not None}
     if not specs:
@@ -66,7 +57,7 @@ def plot_widths(res: dict[str, Any], path: Path) -> Path | str:
     fig, axes = plt.subplots(len(kinds), 1, figsize=(9, 2.6 * len(kinds)), squeeze=False)
     for ax, kind in zip(axes[:, 0], kinds, strict=True):
         for key, spec in specs.items():
-            ys = [_width(b) for b in spec.blocks if b.kind == kind]
+            ys = [kind_of(b).plot_width(b) for b in spec.blocks if b.kind == kind]
             xs = list(range(len(ys)))
             style = {"color": COLORS.get(key, None), "label": res["models"][key]["label"]}
             if key == "parent":

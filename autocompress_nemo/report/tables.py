@@ -7,7 +7,8 @@ import math
 from typing import Any
 
 from autocompress_nemo.arch.counts import param_count
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.arch.spec import ArchSpec, Block
+from autocompress_nemo.blocks import kind_of
 from autocompress_nemo.report.compat import from_pipeline, looks_like_pipeline
 
 MODEL_ORDER = ("parent", "autocompress", "minitron_pp")
@@ -120,22 +121,7 @@ def table(header: list[str], rows: list[list[Any]]) -> str:
 
 def block_width(b: Block) -> str:
     """A block's widths in words: ``8h/4kv``, ffn ``1536``, ``32x512+1024`` experts, ``removed``."""
-    if b.removed:
-        return "removed"
-    if isinstance(b, AttentionBlock):
-        return f"{b.num_heads}h/{b.num_kv_groups}kv"
-    if isinstance(b, MlpBlock):
-        return str(b.ffn)
-    if isinstance(b, MoeBlock):  # routed experts x expert width (top-k), shared-expert width
-        routed = (
-            f"{b.num_experts} experts x {b.expert_ffn} (top-{b.top_k})"
-            if b.num_experts and b.expert_ffn
-            else "no routed experts"
-        )
-        return f"{routed}, shared {b.shared_ffn}"
-    if isinstance(b, MambaBlock):
-        return f"{b.num_heads} heads/{b.num_groups} groups"
-    return "?"
+    return "removed" if b.removed else kind_of(b).words(b)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.blocks import kind_of
 from autocompress_nemo.distill.kd import kd_loss, kd_train
 from autocompress_nemo.search.autocompress import CostFunctions, SearchOutcome
 from autocompress_nemo.search.space import Decision, apply_choices, uniform_candidates
@@ -450,19 +451,9 @@ def uniform_shape(spec: ArchSpec) -> str:
     """The shapes of a (uniform) child per block kind, and its removed blocks, in one line."""
     shapes: dict[str, list[str]] = {}
     for b in spec.blocks:
-        if not b.removed and (s := _shape_of(b)) not in shapes.setdefault(b.kind, []):
+        if not b.removed and (s := kind_of(b).fields(b)) not in shapes.setdefault(b.kind, []):
             shapes[b.kind].append(s)
     removed = [i for i, b in enumerate(spec.blocks) if b.removed]
     return "; ".join(f"{k}: {' | '.join(v)}" for k, v in shapes.items()) + (
         f"; removed blocks {removed}" if removed else ""
     )
-
-
-def _shape_of(b: Any) -> str:
-    if b.kind == "attention":
-        return f"heads={b.num_heads} kv={b.num_kv_groups}"
-    if b.kind == "mlp":
-        return f"ffn={b.ffn}"
-    if b.kind == "moe":
-        return f"experts={b.num_experts}x{b.expert_ffn} top{b.top_k} shared={b.shared_ffn}"
-    return f"heads={b.num_heads}"
