@@ -179,6 +179,13 @@ class Attention(Kind):
             return f"{b.num_heads} heads / {b.num_kv_groups} KV groups vs TP={tp}"
         return None
 
+    def sharded_sizes(self, b: AttentionBlock) -> list[tuple[str, str, int]]:
+        return [("tp", "attention num_heads", b.num_heads), ("tp", "attention num_kv_groups", b.num_kv_groups)]
+
+    def mixing_flops(self, b: AttentionBlock, seq_len: int) -> float:
+        """QK^T and PV: ``2 * 2 * s * H * d`` halved by the causal mask."""
+        return 2.0 * seq_len * b.num_heads * b.head_dim
+
     def params(self, b: AttentionBlock, hidden: int, active: bool = False) -> int:
         """Q, K, V, O projections and the input norm, no biases: ``2*h*H*d + 2*h*G*d + h``."""
         return hidden * b.num_heads * b.head_dim * 2 + 2 * hidden * b.num_kv_groups * b.head_dim + hidden

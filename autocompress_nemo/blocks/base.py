@@ -156,6 +156,16 @@ class Kind(ABC):
     def shard_problem(self, block: Any, tp: int, ep: int, etp: int) -> str | None:
         """Why the block cannot be split at these parallel sizes (None: it can)."""
 
+    @abstractmethod
+    def sharded_sizes(self, block: Any) -> list[tuple[str, str, int]]:
+        """``(parallel dimension, what, size)`` for every size of the block a parallel dimension
+        (``tp``, ``ep``, ``etp``) must divide (the layout check, ``plan/layout.py``)."""
+
+    def mixing_flops(self, block: Any, seq_len: int) -> float:
+        """Forward FLOPs per token beyond ``2 x`` its active parameters (attention scores over the
+        sequence, a Mamba scan); 0 for the rest."""
+        return 0.0
+
     # -- counts (formulas in each kind's docstrings; a removed block is never asked) --------------
     @abstractmethod
     def params(self, block: Any, hidden: int, active: bool = False) -> int:

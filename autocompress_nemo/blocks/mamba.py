@@ -167,6 +167,13 @@ class Mamba(Kind):
             return f"{b.num_heads} Mamba heads / {b.num_groups} groups vs TP={tp}"
         return None
 
+    def sharded_sizes(self, b: MambaBlock) -> list[tuple[str, str, int]]:
+        return [("tp", "mamba num_heads", b.num_heads), ("tp", "mamba num_groups", b.num_groups)]
+
+    def mixing_flops(self, b: MambaBlock, seq_len: int) -> float:
+        """The scan: ``6 * di * N`` (state update and read-out)."""
+        return 6.0 * b.d_inner * b.state_size
+
     def params(self, b: MambaBlock, hidden: int, active: bool = False) -> int:
         """in_proj ``h*(2*Hm*Pm + 2*Gm*N + Hm)`` (z, x, B, C, dt) + conv ``conv_dim*(K+1)`` (weights +
         bias) + ``3*Hm`` (dt_bias, A_log, D) + ``Hm*Pm`` (gated norm) + out_proj ``Hm*Pm*h`` + ``h``."""

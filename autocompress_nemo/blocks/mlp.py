@@ -112,6 +112,9 @@ class Mlp(Kind):
     def shard_problem(self, b: MlpBlock, tp: int, ep: int, etp: int) -> str | None:
         return f"ffn {b.ffn} vs TP={tp}" if b.ffn % tp else None
 
+    def sharded_sizes(self, b: MlpBlock) -> list[tuple[str, str, int]]:
+        return [("tp", "mlp ffn", b.ffn)]
+
     def params(self, b: MlpBlock, hidden: int, active: bool = False) -> int:
         """``ffn_params(h, F) + h`` (input norm)."""
         return ffn_params(hidden, b.ffn, b.gated) + hidden

@@ -324,6 +324,12 @@ class Moe(Kind):
             out.append(f"shared-expert ffn {b.shared_ffn} vs TP={tp}")
         return "; ".join(out) or None
 
+    def sharded_sizes(self, b: MoeBlock) -> list[tuple[str, str, int]]:
+        out = (
+            [("ep", "moe num_experts", b.num_experts), ("etp", "moe expert_ffn", b.expert_ffn)] if b.num_experts else []
+        )
+        return out + ([("tp", "moe shared_ffn", b.shared_ffn)] if b.shared_ffn else [])
+
     def params(self, b: MoeBlock, hidden: int, active: bool = False) -> int:
         """``h*E (router) + E' * ffn_params(L or h, F_e) + [2*h*L (latent down/up)] + ffn_params(h, S)
         + h (norm)``, with ``E' = k`` for active parameters and ``E`` for total."""

@@ -30,7 +30,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from autocompress_nemo.arch.counts import block_params
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.arch.spec import ArchSpec, Block
+from autocompress_nemo.blocks import kind_of
 
 
 def __getattr__(name: str) -> tuple[str, ...]:
@@ -172,26 +173,15 @@ def layout_problems(
         if value % size:
             bad.setdefault((dim, what, value, size), []).append(i)
 
+    sizes = {"tp": L.tp, "ep": L.ep, "etp": L.etp}
     for i, b in enumerate(spec.blocks):
-        if b.removed:
-            continue
-        if isinstance(b, AttentionBlock):
-            need("tp", L.tp, "attention num_heads", b.num_heads, i)
-            need("tp", L.tp, "attention num_kv_groups", b.num_kv_groups, i)
-        elif isinstance(b, MlpBlock):
-            need("tp", L.tp, "mlp ffn", b.ffn, i)
-        elif isinstance(b, MoeBlock):
-            if b.num_experts:
-                need("ep", L.ep, "moe num_experts", b.num_experts, i)
-                need("etp", L.etp, "moe expert_ffn", b.expert_ffn, i)
-            if b.shared_ffn:
-                need("tp", L.tp, "moe shared_ffn", b.shared_ffn, i)
-        elif isinstance(b, MambaBlock):
-            need("tp", L.tp, "mamba num_heads", b.num_heads, i)
-            need("tp", L.tp, "mamba num_groups", b.num_groups, i)
+        for dim, what, value in [] if b.removed else kind_of(b).sharded_sizes(b):
+            need(dim, sizes[dim], what, value, i)
     for (dim, what, value, size), idx in bad.items():
         out.append(f"{where}: {dim}={size} does not divide {what}={value} ({_blocks_str(idx)}); change cluster.{dim}")
-    if L.ep > 1 and not any(isinstance(b, MoeBlock) and not b.removed for b in spec.blocks):
+    if L.ep > 1 and not any(
+        dim == "ep" for b in spec.blocks if not b.removed for dim, _, _ in kind_of(b).sharded_sizes(b)
+    ):
         out.append(f"{where}: ep={L.ep} but the model has no MoE block; set cluster.ep=1")
 
     kept = sum(1 for b in spec.blocks if not b.removed)
@@ -235,12 +225,7 @@ def block_train_cost(b: Block, hidden: int, seq_len: int) -> float:
     """
     if b.removed:
         return 0.0
-    cost = 2.0 * block_params(b, hidden, active=True)
-    if isinstance(b, AttentionBlock):
-        cost += 2.0 * seq_len * b.num_heads * b.head_dim
-    elif isinstance(b, MambaBlock):
-        cost += 6.0 * b.d_inner * b.state_size
-    return cost
+    return 2.0 * block_params(b, hidden, active=True) + kind_of(b).mixing_flops(b, seq_len)
 
 
 def split_pipeline(block_costs: list[float], pp: int) -> list[range]:
