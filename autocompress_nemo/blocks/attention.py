@@ -179,6 +179,13 @@ class Attention(Kind):
             return f"{b.num_heads} heads / {b.num_kv_groups} KV groups vs TP={tp}"
         return None
 
+    def min_block(self, b: AttentionBlock, caps: Any) -> AttentionBlock:
+        if caps.remove_attention:
+            return AttentionBlock(0, 0, b.head_dim)
+        groups = 1 if caps.vary_kv_groups else b.num_kv_groups
+        heads = groups if caps.vary_query_heads else b.num_heads  # one query head per group
+        return AttentionBlock(heads, groups, b.head_dim)
+
     def sharded_sizes(self, b: AttentionBlock) -> list[tuple[str, str, int]]:
         return [("tp", "attention num_heads", b.num_heads), ("tp", "attention num_kv_groups", b.num_kv_groups)]
 

@@ -157,6 +157,11 @@ class Kind(ABC):
         """Why the block cannot be split at these parallel sizes (None: it can)."""
 
     @abstractmethod
+    def min_block(self, block: Any, caps: Any) -> Any:
+        """The smallest shape of ``block`` the engine's capabilities (``EngineCapabilities``) let the
+        search reach (the planner's smallest servable model, ``plan/serving.py``)."""
+
+    @abstractmethod
     def sharded_sizes(self, block: Any) -> list[tuple[str, str, int]]:
         """``(parallel dimension, what, size)`` for every size of the block a parallel dimension
         (``tp``, ``ep``, ``etp``) must divide (the layout check, ``plan/layout.py``)."""

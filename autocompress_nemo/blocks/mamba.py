@@ -167,6 +167,12 @@ class Mamba(Kind):
             return f"{b.num_heads} Mamba heads / {b.num_groups} groups vs TP={tp}"
         return None
 
+    def min_block(self, b: MambaBlock, caps: Any) -> MambaBlock:
+        if caps.remove_mamba:
+            return MambaBlock(0, b.head_dim, b.state_size, b.num_groups, b.conv_kernel)
+        heads = b.num_groups if caps.vary_mamba_heads else b.num_heads
+        return MambaBlock(heads, b.head_dim, b.state_size, b.num_groups, b.conv_kernel)
+
     def sharded_sizes(self, b: MambaBlock) -> list[tuple[str, str, int]]:
         return [("tp", "mamba num_heads", b.num_heads), ("tp", "mamba num_groups", b.num_groups)]
 

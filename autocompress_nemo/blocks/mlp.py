@@ -112,6 +112,11 @@ class Mlp(Kind):
     def shard_problem(self, b: MlpBlock, tp: int, ep: int, etp: int) -> str | None:
         return f"ffn {b.ffn} vs TP={tp}" if b.ffn % tp else None
 
+    def min_block(self, b: MlpBlock, caps: Any) -> MlpBlock:
+        if caps.remove_mlp:
+            return MlpBlock(0, b.activation)
+        return MlpBlock(max(caps.ffn_align, 1), b.activation) if caps.vary_ffn else b
+
     def sharded_sizes(self, b: MlpBlock) -> list[tuple[str, str, int]]:
         return [("tp", "mlp ffn", b.ffn)]
 

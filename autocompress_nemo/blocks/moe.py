@@ -324,6 +324,15 @@ class Moe(Kind):
             out.append(f"shared-expert ffn {b.shared_ffn} vs TP={tp}")
         return "; ".join(out) or None
 
+    def min_block(self, b: MoeBlock, caps: Any) -> MoeBlock:
+        if caps.remove_moe:
+            return MoeBlock(0, 0, 0, 0, b.latent, b.activation)
+        top_k = 1 if caps.vary_top_k else b.top_k
+        experts = top_k if caps.vary_experts else b.num_experts
+        eff = max(caps.ffn_align, 1) if caps.vary_expert_ffn else b.expert_ffn
+        shared = 0 if caps.vary_shared_ffn else b.shared_ffn
+        return MoeBlock(experts, eff, min(top_k, experts), shared, b.latent, b.activation)
+
     def sharded_sizes(self, b: MoeBlock) -> list[tuple[str, str, int]]:
         out = (
             [("ep", "moe num_experts", b.num_experts), ("etp", "moe expert_ffn", b.expert_ffn)] if b.num_experts else []

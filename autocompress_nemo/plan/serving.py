@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from autocompress_nemo.arch import counts
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MambaBlock, MlpBlock, MoeBlock
+from autocompress_nemo.arch.spec import ArchSpec, Block, MlpBlock, MoeBlock
+from autocompress_nemo.blocks import kind_of
 from autocompress_nemo.config.engine import EngineCapabilities, capabilities_of, settings_of
 from autocompress_nemo.costs import memory
 from autocompress_nemo.costs.engines.trtllm import MAX_NUM_TOKENS
@@ -160,32 +161,7 @@ def budget_student(
 
 def _min_block(b: Block, caps: EngineCapabilities) -> Block:
     """The smallest shape of one block that the engine's capabilities let the search reach."""
-    if b.removed:
-        return b
-    if isinstance(b, AttentionBlock):
-        if caps.remove_attention:
-            return AttentionBlock(0, 0, b.head_dim)
-        groups = 1 if caps.vary_kv_groups else b.num_kv_groups
-        heads = groups if caps.vary_query_heads else b.num_heads  # one query head per group
-        return AttentionBlock(heads, groups, b.head_dim)
-    if isinstance(b, MlpBlock):
-        if caps.remove_mlp:
-            return MlpBlock(0, b.activation)
-        return MlpBlock(max(caps.ffn_align, 1), b.activation) if caps.vary_ffn else b
-    if isinstance(b, MoeBlock):
-        if caps.remove_moe:
-            return MoeBlock(0, 0, 0, 0, b.latent, b.activation)
-        top_k = 1 if caps.vary_top_k else b.top_k
-        experts = top_k if caps.vary_experts else b.num_experts
-        eff = max(caps.ffn_align, 1) if caps.vary_expert_ffn else b.expert_ffn
-        shared = 0 if caps.vary_shared_ffn else b.shared_ffn
-        return MoeBlock(experts, eff, min(top_k, experts), shared, b.latent, b.activation)
-    if isinstance(b, MambaBlock):
-        if caps.remove_mamba:
-            return MambaBlock(0, b.head_dim, b.state_size, b.num_groups, b.conv_kernel)
-        heads = b.num_groups if caps.vary_mamba_heads else b.num_heads
-        return MambaBlock(heads, b.head_dim, b.state_size, b.num_groups, b.conv_kernel)
-    return b
+    return b if b.removed else kind_of(b).min_block(b, caps)
 
 
 def smallest_servable(parent: ArchSpec, caps: Any) -> ArchSpec:
