@@ -179,6 +179,23 @@ class Attention(Kind):
             return f"{b.num_heads} heads / {b.num_kv_groups} KV groups vs TP={tp}"
         return None
 
+    def capability_problems(self, i: int, b: AttentionBlock, r: AttentionBlock | None, caps: Any) -> list[str]:
+        if b.removed or r is None:
+            return super().capability_problems(i, b, r, caps)
+        out = []
+        if b.num_heads != r.num_heads and not caps.vary_query_heads:
+            out.append(
+                f"block {i}: {b.num_heads} query heads differ from the parent's {r.num_heads} "
+                "(vary_query_heads=False: per-layer query heads are not served)"
+            )
+        if b.num_kv_groups != r.num_kv_groups and not caps.vary_kv_groups:
+            out.append(
+                f"block {i}: {b.num_kv_groups} KV groups differ from the parent's {r.num_kv_groups} (vary_kv_groups=False)"
+            )
+        if b.head_dim != r.head_dim:
+            out.append(f"block {i}: head_dim {b.head_dim} differs from {r.head_dim} (one head_dim per model)")
+        return out
+
     def min_block(self, b: AttentionBlock, caps: Any) -> AttentionBlock:
         if caps.remove_attention:
             return AttentionBlock(0, 0, b.head_dim)

@@ -156,6 +156,14 @@ class Kind(ABC):
     def shard_problem(self, block: Any, tp: int, ep: int, etp: int) -> str | None:
         """Why the block cannot be split at these parallel sizes (None: it can)."""
 
+    def capability_problems(self, i: int, block: Any, ref: Any, caps: Any) -> list[str]:
+        """Why block ``i`` is not served under the engine's capabilities (``EngineCapabilities``),
+        judged against ``ref`` (the parent's first block of this kind, or None): here, a removed
+        block the engine cannot serve; a kind adds the rules of its own shape."""
+        if block.removed and not getattr(caps, f"remove_{self.name}"):
+            return [f"block {i}: removed {self.name} is not served (remove_{self.name}=False)"]
+        return []
+
     @abstractmethod
     def min_block(self, block: Any, caps: Any) -> Any:
         """The smallest shape of ``block`` the engine's capabilities (``EngineCapabilities``) let the

@@ -112,6 +112,16 @@ class Mlp(Kind):
     def shard_problem(self, b: MlpBlock, tp: int, ep: int, etp: int) -> str | None:
         return f"ffn {b.ffn} vs TP={tp}" if b.ffn % tp else None
 
+    def capability_problems(self, i: int, b: MlpBlock, r: MlpBlock | None, caps: Any) -> list[str]:
+        if b.removed:
+            return super().capability_problems(i, b, r, caps)
+        out, align = [], max(1, caps.ffn_align)
+        if r is not None and b.ffn != r.ffn and not caps.vary_ffn:
+            out.append(f"block {i}: ffn {b.ffn} differs from {r.ffn} (vary_ffn=False)")
+        if b.ffn % align and (r is None or b.ffn != r.ffn):
+            out.append(f"block {i}: ffn {b.ffn} is not a multiple of ffn_align={align}")
+        return out
+
     def min_block(self, b: MlpBlock, caps: Any) -> MlpBlock:
         if caps.remove_mlp:
             return MlpBlock(0, b.activation)

@@ -16,6 +16,8 @@ from typing import Any
 from autocompress_nemo.arch.convert import engine_problems, ffn_mult_to_intermediate_size
 from autocompress_nemo.arch.loaders import TRTLLM, VLLM, as_loader
 from autocompress_nemo.arch.spec import ArchSpec
+from autocompress_nemo.models.nemotron_h.config import engine_problems as hybrid_problems
+from autocompress_nemo.models.nemotron_h.config import export_spec
 from autocompress_nemo.report.tables import table
 
 
@@ -44,9 +46,6 @@ def engine_load_problems(spec: Any, engine: Any) -> list[str]:
         return []
     if spec.is_dense_layered():
         return engine_problems(spec, engine)
-    from autocompress_nemo.models.nemotron_h.config import engine_problems as hybrid_problems
-    from autocompress_nemo.models.nemotron_h.config import export_spec
-
     return hybrid_problems(export_spec(spec)[0], engine)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from autocompress_nemo.arch.loaders import GENERIC, HfLoader
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
+from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.config.engine import (
     EngineCapabilities,
     EngineConfig,
@@ -150,37 +150,10 @@ def capability_problems(spec: ArchSpec, caps: Any, parent: ArchSpec | None = Non
     for b in parent.blocks if parent else spec.blocks:
         if not b.removed:
             ref.setdefault(b.kind, b)
-    align = max(1, caps.ffn_align)
+    from autocompress_nemo.blocks import kind_of  # torch behind it: engine classes are read without it
+
     for i, b in enumerate(spec.blocks):
-        r = ref.get(b.kind)
-        if isinstance(b, AttentionBlock):
-            if b.removed:
-                if not caps.remove_attention:
-                    out.append(f"block {i}: removed attention is not served (remove_attention=False)")
-                continue
-            if r is not None and b.num_heads != r.num_heads and not caps.vary_query_heads:
-                out.append(
-                    f"block {i}: {b.num_heads} query heads differ from the parent's {r.num_heads} "
-                    "(vary_query_heads=False: per-layer query heads are not served)"
-                )
-            if r is not None and b.num_kv_groups != r.num_kv_groups and not caps.vary_kv_groups:
-                out.append(
-                    f"block {i}: {b.num_kv_groups} KV groups differ from the parent's {r.num_kv_groups} "
-                    "(vary_kv_groups=False)"
-                )
-            if r is not None and b.head_dim != r.head_dim:
-                out.append(f"block {i}: head_dim {b.head_dim} differs from {r.head_dim} (one head_dim per model)")
-        elif isinstance(b, MlpBlock):
-            if b.removed:
-                if not caps.remove_mlp:
-                    out.append(f"block {i}: removed mlp is not served (remove_mlp=False)")
-                continue
-            if r is not None and b.ffn != r.ffn and not caps.vary_ffn:
-                out.append(f"block {i}: ffn {b.ffn} differs from {r.ffn} (vary_ffn=False)")
-            if b.ffn % align and (r is None or b.ffn != r.ffn):
-                out.append(f"block {i}: ffn {b.ffn} is not a multiple of ffn_align={align}")
-        elif b.removed and not getattr(caps, f"remove_{b.kind}"):
-            out.append(f"block {i}: removed {b.kind} is not served (remove_{b.kind}=False)")
+        out += kind_of(b).capability_problems(i, b, ref.get(b.kind), caps)
     kept = {b.kind for b in spec.blocks if not b.removed}
     for k in caps.keep_first_of:
         if k not in kept and (parent is None or any(b.kind == k and not b.removed for b in parent.blocks)):
