@@ -52,6 +52,24 @@ def test_each_kind_words_its_shape_for_the_report_the_log_and_the_plots() -> Non
         k = kind_of(block)
         assert (block_width(block), k.fields(block), k.plot_width(block)) == (words, fields, width)
     assert block_width(AttentionBlock(0, 0, 64)) == "removed"
+    assert {n: k.plot_unit for n, k in KINDS.items()} == {
+        "attention": "query heads",
+        "mlp": "ffn width",
+        "moe": "experts x ffn",
+        "mamba": "heads",
+    }
     spec = hetero_hybrid_spec()
     line = uniform_shape(spec)
     assert all(f"{b.kind}: " in line for b in spec.blocks), line
+
+
+def test_the_width_plot_draws_every_kind_of_every_model(tmp_path) -> None:
+    """``report.plots.plot_widths`` groups each model's blocks by kind and labels the axis with the kind's unit."""
+    from autocompress_nemo.report.plots import plot_widths
+    from tests.hybrid_utils import hetero_hybrid_spec
+
+    spec = hetero_hybrid_spec()
+    child = spec.replace(blocks=(spec.blocks[0], *spec.blocks[1:]))
+    res = {"models": {"parent": {"arch": spec, "label": "parent"}, "autocompress": {"arch": child, "label": "AC"}}}
+    out = plot_widths(res, tmp_path / "widths.png")
+    assert out == tmp_path / "widths.png" and out.stat().st_size > 1000

@@ -49,6 +49,7 @@ def _rows(p: AttentionBlock, c: AttentionBlock) -> torch.Tensor:
 
 class Attention(Kind):
     name = "attention"
+    plot_unit = "query heads"
     block_type = AttentionBlock
     decision_kinds = ("attention",)
 

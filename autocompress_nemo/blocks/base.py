@@ -122,6 +122,9 @@ class Kind(ABC):
     def plot_width(self, block: Any) -> int:
         """One number for a width plot: heads, the ffn width, the experts' total width."""
 
+    plot_unit: ClassVar[str]
+    """What ``plot_width`` counts, for the plot's axis (``query heads``, ``ffn width`` ...)."""
+
     @abstractmethod
     def prefix_problem(self, parent_block: Any, child_block: Any) -> str | None:
         """Why ``child_block`` is not a prefix of ``parent_block`` (None: it is)."""

@@ -39,6 +39,7 @@ def _rows(p: MambaBlock, c: MambaBlock, conv: bool) -> torch.Tensor:
 
 class Mamba(Kind):
     name = "mamba"
+    plot_unit = "heads"
     block_type = MambaBlock
     decision_kinds = ("mamba",)
 

@@ -34,6 +34,7 @@ def ffn_widths(parent_ffn: int, n_options: int, align: int, allow_zero: bool) ->
 
 class Mlp(Kind):
     name = "mlp"
+    plot_unit = "ffn width"
     block_type = MlpBlock
     decision_kinds = ("mlp",)
 

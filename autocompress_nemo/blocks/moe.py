@@ -100,6 +100,7 @@ def moe_shared_options(parent: MoeBlock, caps: Any, n_levels: int = 4) -> list[M
 
 class Moe(Kind):
     name = "moe"
+    plot_unit = "experts x ffn"
     block_type = MoeBlock
     decision_kinds = ("moe_routed", "moe_shared")
 

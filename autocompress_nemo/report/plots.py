@@ -53,19 +53,22 @@ def plot_widths(res: dict[str, Any], path: Path) -> Path | str:
     plt = _plt()
     from matplotlib.ticker import MaxNLocator
 
-    kinds = sorted({b.kind for s in specs.values() for b in s.blocks})
+    widths: dict[str, dict[str, list[int]]] = {}  # kind -> model -> its blocks' widths, in order
+    for key, spec in specs.items():
+        for b in spec.blocks:
+            widths.setdefault(b.kind, {}).setdefault(key, []).append(kind_of(b).plot_width(b))
+    kinds = sorted(widths)
     fig, axes = plt.subplots(len(kinds), 1, figsize=(9, 2.6 * len(kinds)), squeeze=False)
     for ax, kind in zip(axes[:, 0], kinds, strict=True):
-        for key, spec in specs.items():
-            ys = [kind_of(b).plot_width(b) for b in spec.blocks if b.kind == kind]
+        for key in specs:
+            ys = widths[kind].get(key, [])
             xs = list(range(len(ys)))
             style = {"color": COLORS.get(key, None), "label": res["models"][key]["label"]}
             if key == "parent":
                 ax.bar(xs, ys, color=style["color"], alpha=0.35, label=style["label"])
             else:
                 ax.plot(xs, ys, marker="o", ms=4, lw=1.5, **style)
-        unit = {"attention": "query heads", "mlp": "ffn width", "moe": "experts x ffn", "mamba": "heads"}[kind]
-        ax.set_ylabel(unit)
+        ax.set_ylabel(kind_of(kind).plot_unit)
         ax.set_xlabel(f"{kind} block (layer)")
         ax.set_ylim(bottom=0)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

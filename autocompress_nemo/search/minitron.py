@@ -365,18 +365,18 @@ def _score(
     tokens = 0
     sn = Supernet(cand_model, parent, decisions)
     sn.set_choices(choices)
+
+    def teacher(x: torch.Tensor) -> torch.Tensor:  # the parent: the same model with the supernet off
+        sn.enabled = False
+        try:
+            return forward(model, x)
+        finally:
+            sn.enabled = True
+
     if retrain:
-
-        def teacher(x: torch.Tensor) -> torch.Tensor:
-            sn.enabled = False
-            try:
-                return forward(model, x)
-            finally:
-                sn.enabled = True
-
         for p in cand_model.parameters():
             p.requires_grad_(True)
-        batches = (batch_at(RETRAIN_OFFSET + s) for s in range(retrain))
+        batches = [batch_at(RETRAIN_OFFSET + s) for s in range(retrain)]
         kd_train(
             cand_model,
             teacher,
@@ -385,14 +385,12 @@ def _score(
             lr=cfg.weight_lr,
             temperature=temperature,
         )
-        tokens += sum(batch_at(RETRAIN_OFFSET + s).numel() for s in range(retrain))
+        tokens += sum(x.numel() for x in batches)
     losses = []
     with torch.no_grad():
         for s in steps_logged(range(n_score), n_score, f"{what} scoring batch", log):
             x = batch_at(SCORE_OFFSET + s)  # calibration batches disjoint from the retraining ones
-            sn.enabled = False
-            t = forward(model, x)
-            sn.enabled = True
+            t = teacher(x)
             losses.append(float(kd_loss(forward(cand_model, x), t, temperature)))
             tokens += x.numel()
     sn.remove()
