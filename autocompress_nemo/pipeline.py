@@ -57,8 +57,8 @@ def cache_dir(cfg: DictConfig) -> Path:
 
 
 def _dist() -> Any:
-    """``torch.distributed`` when a process group is up, else None (imported here: the command line
-    starts without torch)."""
+    """``torch.distributed`` when a process group is up, else None (imported where used, so that this
+    module imports without torch)."""
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None

@@ -40,10 +40,6 @@ class HfLoader:
     query_heads_note: str = ""
     """What the engine measurably does with per-layer query heads (appended to the refusal)."""
 
-    @property
-    def has_rules(self) -> bool:
-        return bool(self.name)
-
 
 GENERIC = HfLoader()
 VLLM = HfLoader(
