@@ -135,7 +135,7 @@ class Run:
 
     def section(self, *keys: str) -> dict[str, Any]:
         """The config sections ``keys`` as plain data: a stage's cache key (less the engine's placement)."""
-        out = {}
+        out: dict[str, Any] = {}
         for k in keys:
             v = OmegaConf.select(self.cfg, k)
             out[k] = OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) else v

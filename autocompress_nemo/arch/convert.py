@@ -40,7 +40,7 @@ config registry, so vLLM needs ``trust_remote_code=True`` for these directories 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 from autocompress_nemo.arch.loaders import HfLoader, as_loader
 from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MlpBlock
@@ -84,6 +84,18 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+class _CommonFields(TypedDict):
+    """The ArchSpec fields a config.json gives alike for every family (``spec_from_hf_config``)."""
+
+    hidden: int
+    vocab: int
+    name: str
+    tied_embeddings: bool
+    norm_eps: float
+    rope_theta: float
+    max_position: int
+
+
 def spec_from_hf_config(cfg: dict[str, Any]) -> ArchSpec:
     """ArchSpec of a Hugging Face ``config.json`` (llama, qwen2, qwen3, nemotron-nas/DeciLM)."""
     mt = cfg.get("model_type", "")
@@ -94,7 +106,7 @@ def spec_from_hf_config(cfg: dict[str, Any]) -> ArchSpec:
     rs = _rope_scaling(cfg)
     if rs:
         extra["rope_scaling"] = rs
-    common = dict(
+    common: _CommonFields = dict(
         hidden=hidden,
         vocab=int(cfg["vocab_size"]),
         name=str(cfg.get("_name_or_path", "")),
@@ -125,7 +137,7 @@ def spec_from_hf_config(cfg: dict[str, Any]) -> ArchSpec:
                 blocks.append(MlpBlock(int(f["intermediate_size"])))
             else:
                 blocks.append(MlpBlock(ffn_mult_to_intermediate_size(float(f["ffn_mult"]), hidden)))
-        return ArchSpec(blocks=tuple(blocks), family="llama", extra=extra, **common)  # type: ignore[arg-type]
+        return ArchSpec(blocks=tuple(blocks), family="llama", extra=extra, **common)
     if mt not in _FAMILY_OF_MODEL_TYPE:
         raise ValueError(
             f"config.json model_type {mt!r} is not a supported dense family; supported: "

@@ -49,10 +49,13 @@ def ssm_state_bytes_per_sequence(spec: ArchSpec, dtype_bytes: float) -> float:
 
 def forward_flops_per_token(spec: ArchSpec, seq: int, head: bool = True, layers: bool = True) -> float:
     """FLOPs (2 x multiply-adds) per token of one forward at sequence length ``seq``: every weight a
-    token touches once (MoE: its top-k experts; the embedding lookup never) plus the attention scores
-    and values over ``seq`` positions (the full square, as the unfused CPU attention computes it).
+    token touches once (MoE: its top-k experts; the embedding lookup never) plus each kind's mixing
+    (``Kind.mixing_flops``): the attention scores and values over ``seq`` positions (the full square,
+    as the unfused CPU attention computes it), a Mamba block's scan (constant in ``seq``).
     ``head``: the LM head's ``h x V``; ``layers``: the decoder blocks'. A backward costs about twice
     its forward (``3x`` for forward + backward with weight gradients)."""
     blocks = sum(block_params(b, spec.hidden, active=True) for b in spec.blocks) if layers else 0
-    attn = sum(2 * seq * b.num_heads * b.head_dim for b in spec.blocks if getattr(b, "num_heads", 0)) if layers else 0
-    return 2.0 * float(blocks + attn + (spec.vocab * spec.hidden if head else 0))
+    mixing = (
+        sum(kind_of(b).mixing_flops(b, seq, full_square=True) for b in spec.blocks if not b.removed) if layers else 0
+    )
+    return mixing + 2.0 * float(blocks + (spec.vocab * spec.hidden if head else 0))

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, MambaBlock, MlpBlock, MoeBlock, block_from_dict
+from autocompress_nemo.arch.spec import (
+    ArchSpec,
+    AttentionBlock,
+    Block,
+    MambaBlock,
+    MlpBlock,
+    MoeBlock,
+    block_from_dict,
+)
 
 SHAPE_FIELDS = (
     "family",
@@ -47,7 +55,18 @@ def _plain(b: Any) -> dict[str, Any]:
     d = OmegaConf.to_container(b, resolve=True) if isinstance(b, DictConfig) else b
     if not isinstance(d, dict):
         raise ValueError(f"model.blocks entry {b!r} is not a block (a mapping with kind and its sizes)")
-    return dict(d)  # type: ignore[arg-type]
+    return dict(d)
+
+
+class _CommonFields(TypedDict):
+    """The ArchSpec fields ``cfg.model`` gives alike for every shape (``spec_from_model_config``)."""
+
+    family: str
+    name: str
+    tied_embeddings: bool
+    norm_eps: float
+    rope_theta: float
+    max_position: int
 
 
 def spec_from_model_config(m: Any) -> ArchSpec:
@@ -58,7 +77,7 @@ def spec_from_model_config(m: Any) -> ArchSpec:
     """
     hidden, heads = int(_get(m, "hidden")), int(_get(m, "heads"))
     head_dim = int(_get(m, "head_dim")) or (hidden // heads if heads else 0)
-    common = dict(
+    common: _CommonFields = dict(
         family=str(_get(m, "family", "llama")),
         name=str(_get(m, "name", "")),
         tied_embeddings=bool(_get(m, "tied_embeddings", False)),
@@ -120,7 +139,7 @@ def spec_from_model_config(m: Any) -> ArchSpec:
         pattern,
         hidden=hidden,
         vocab=int(_get(m, "vocab")),
-        attention=attention,  # type: ignore[arg-type]
+        attention=attention,
         mlp=mlp,
         moe=moe,
         mamba=mamba,
@@ -128,8 +147,8 @@ def spec_from_model_config(m: Any) -> ArchSpec:
     )
 
 
-def _llama_with_activation(m: Any, hidden: int, heads: int, head_dim: int, act: str, common: dict) -> ArchSpec:
-    blocks = []
+def _llama_with_activation(m: Any, hidden: int, heads: int, head_dim: int, act: str, common: _CommonFields) -> ArchSpec:
+    blocks: list[Block] = []
     for _ in range(int(_get(m, "num_layers"))):
         blocks += [AttentionBlock(heads, int(_get(m, "kv_groups")), head_dim), MlpBlock(int(_get(m, "ffn")), act)]
     return ArchSpec(hidden=hidden, vocab=int(_get(m, "vocab")), blocks=tuple(blocks), **common)

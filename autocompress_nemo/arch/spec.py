@@ -35,7 +35,7 @@ class AttentionBlock:
     num_heads: int
     num_kv_groups: int
     head_dim: int
-    kind: str = "attention"
+    kind: Literal["attention"] = "attention"
 
     def __post_init__(self) -> None:
         if self.num_heads < 0 or self.num_kv_groups < 0 or self.head_dim <= 0:
@@ -60,7 +60,7 @@ class AttentionBlock:
 class MlpBlock:
     ffn: int
     activation: str = "swiglu"  # "swiglu" (gated, Llama) or "relu2" (Nemotron-H, not gated)
-    kind: str = "mlp"
+    kind: Literal["mlp"] = "mlp"
 
     def __post_init__(self) -> None:
         if self.ffn < 0:
@@ -85,7 +85,7 @@ class MoeBlock:
     shared_ffn: int = 0
     latent: int = 0
     activation: str = "swiglu"
-    kind: str = "moe"
+    kind: Literal["moe"] = "moe"
 
     def __post_init__(self) -> None:
         if min(self.num_experts, self.expert_ffn, self.top_k, self.shared_ffn, self.latent) < 0:
@@ -109,7 +109,7 @@ class MambaBlock:
     state_size: int
     num_groups: int
     conv_kernel: int = 4
-    kind: str = "mamba"
+    kind: Literal["mamba"] = "mamba"
 
     def __post_init__(self) -> None:
         if self.num_heads < 0 or self.head_dim <= 0 or self.state_size <= 0 or self.num_groups <= 0:
@@ -190,7 +190,7 @@ class ArchSpec:
         *,
         hidden: int,
         vocab: int,
-        attention: AttentionBlock,
+        attention: AttentionBlock | None,
         mlp: MlpBlock | None = None,
         moe: MoeBlock | None = None,
         mamba: MambaBlock | None = None,

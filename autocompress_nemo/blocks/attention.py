@@ -58,22 +58,22 @@ class Attention(Kind):
         opts = attention_options(block, caps, allow)
         return [Decision(i, "attention", tuple(opts))] if len(opts) > 1 else []
 
-    def masks(self, d: Decision, parent_block: AttentionBlock) -> dict[str, torch.Tensor]:
+    def masks(self, d: Decision[AttentionBlock], parent_block: AttentionBlock) -> dict[str, torch.Tensor]:
         """Per query head, on the ``linear_proj`` input (a dropped KV group has all its query heads
         masked, so its K/V are never read)."""
         rows = []
         for o in d.options:
             row = torch.zeros(parent_block.num_heads)
-            row[kept_heads(parent_block.heads_per_group, o.num_kv_groups, o.heads_per_group)] = 1.0  # type: ignore[attr-defined]
+            row[kept_heads(parent_block.heads_per_group, o.num_kv_groups, o.heads_per_group)] = 1.0
             rows.append(row)
         return {"out": torch.stack(rows)}
 
-    def mask_sites(self, d: Decision, layer: Any, pb: AttentionBlock) -> list:
+    def mask_sites(self, d: Decision[AttentionBlock], layer: Any, pb: AttentionBlock) -> list:
         return [(layer.self_attention.linear_proj, "out", pb.head_dim, pb.num_heads, True)]
 
-    def kept_importance(self, d: Decision, option: AttentionBlock, scores: Any) -> float:
+    def kept_importance(self, d: Decision[AttentionBlock], option: AttentionBlock, scores: Any) -> float:
         heads = need(scores, "heads", d)
-        parent_hpg = len(heads) // d.options[-1].num_kv_groups  # type: ignore[attr-defined]  (last = the parent's)
+        parent_hpg = len(heads) // d.options[-1].num_kv_groups  # (last = the parent's)
         return float(heads[kept_heads(parent_hpg, option.num_kv_groups, option.heads_per_group)].sum())
 
     def widths(self, option: AttentionBlock) -> tuple[int, ...]:
@@ -139,7 +139,7 @@ class Attention(Kind):
     ) -> None:
         if "heads" in orders:
             check_grouped(key("o"), orders["heads"], orders["groups"], b.num_kv_groups)
-            permute_heads(sd, *(key(r) for r in "qkvo"), orders["heads"], orders["groups"], b.head_dim)
+            permute_heads(sd, key("q"), key("k"), key("v"), key("o"), orders["heads"], orders["groups"], b.head_dim)
 
     def megatron_config(self, base: Any, b: AttentionBlock) -> Any:
         return dataclasses.replace(
@@ -207,9 +207,9 @@ class Attention(Kind):
     def sharded_sizes(self, b: AttentionBlock) -> list[tuple[str, str, int]]:
         return [("tp", "attention num_heads", b.num_heads), ("tp", "attention num_kv_groups", b.num_kv_groups)]
 
-    def mixing_flops(self, b: AttentionBlock, seq_len: int) -> float:
-        """QK^T and PV: ``2 * 2 * s * H * d`` halved by the causal mask."""
-        return 2.0 * seq_len * b.num_heads * b.head_dim
+    def mixing_flops(self, b: AttentionBlock, seq_len: int, full_square: bool = False) -> float:
+        """QK^T and PV: ``2 * 2 * s * H * d``, halved by the causal mask unless ``full_square``."""
+        return (4.0 if full_square else 2.0) * seq_len * b.num_heads * b.head_dim
 
     def params(self, b: AttentionBlock, hidden: int, active: bool = False) -> int:
         """Q, K, V, O projections and the input norm, no biases: ``2*h*H*d + 2*h*G*d + h``."""

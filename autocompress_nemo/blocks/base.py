@@ -38,13 +38,14 @@ Key = Callable[..., str]
 
 
 @dataclass(frozen=True)
-class Decision:
+class Decision[B: Block]:
     """One choice of the search: the options block ``block_index`` (or a part of it, ``kind`` e.g.
-    ``moe_routed``) may take, every one a *prefix* of the importance-sorted parent dimension."""
+    ``moe_routed``) may take, every one a *prefix* of the importance-sorted parent dimension
+    (``B``: the block type of the kind that made it; ``Decision`` alone: any block)."""
 
     block_index: int
     kind: str
-    options: tuple[Block, ...]
+    options: tuple[B, ...]
     """Smallest first; the last option is the parent's own block."""
 
     @property
@@ -177,9 +178,10 @@ class Kind(ABC):
         """``(parallel dimension, what, size)`` for every size of the block a parallel dimension
         (``tp``, ``ep``, ``etp``) must divide (the layout check, ``plan/layout.py``)."""
 
-    def mixing_flops(self, block: Any, seq_len: int) -> float:
+    def mixing_flops(self, block: Any, seq_len: int, full_square: bool = False) -> float:
         """Forward FLOPs per token beyond ``2 x`` its active parameters (attention scores over the
-        sequence, a Mamba scan); 0 for the rest."""
+        sequence, a Mamba scan); 0 for the rest. ``full_square``: attention computed unmasked over
+        all ``seq_len`` positions (the unfused CPU path), not the causal half."""
         return 0.0
 
     # -- counts (formulas in each kind's docstrings; a removed block is never asked) --------------

@@ -47,13 +47,13 @@ class Mamba(Kind):
         opts = mamba_options(block, caps, caps.remove_mamba and not must_keep(spec, i, caps))
         return [Decision(i, "mamba", tuple(opts))] if len(opts) > 1 else []
 
-    def masks(self, d: Decision, parent_block: MambaBlock) -> dict[str, torch.Tensor]:
-        return {"out": prefix_rows(parent_block.num_heads, [o.num_heads for o in d.options])}  # type: ignore[attr-defined]
+    def masks(self, d: Decision[MambaBlock], parent_block: MambaBlock) -> dict[str, torch.Tensor]:
+        return {"out": prefix_rows(parent_block.num_heads, [o.num_heads for o in d.options])}
 
-    def mask_sites(self, d: Decision, layer: Any, pb: MambaBlock) -> list:
+    def mask_sites(self, d: Decision[MambaBlock], layer: Any, pb: MambaBlock) -> list:
         return [(layer.mixer.out_proj, "out", pb.head_dim, pb.num_heads, True)]
 
-    def kept_importance(self, d: Decision, option: MambaBlock, scores: Any) -> float:
+    def kept_importance(self, d: Decision[MambaBlock], option: MambaBlock, scores: Any) -> float:
         return float(need(scores, "mamba_heads", d)[: option.num_heads].sum())
 
     def widths(self, option: MambaBlock) -> tuple[int, ...]:
@@ -177,7 +177,7 @@ class Mamba(Kind):
     def sharded_sizes(self, b: MambaBlock) -> list[tuple[str, str, int]]:
         return [("tp", "mamba num_heads", b.num_heads), ("tp", "mamba num_groups", b.num_groups)]
 
-    def mixing_flops(self, b: MambaBlock, seq_len: int) -> float:
+    def mixing_flops(self, b: MambaBlock, seq_len: int, full_square: bool = False) -> float:
         """The scan: ``6 * di * N`` (state update and read-out)."""
         return 6.0 * b.d_inner * b.state_size
 

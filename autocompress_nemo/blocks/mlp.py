@@ -53,14 +53,14 @@ class Mlp(Kind):
         opts = tuple(MlpBlock(w, block.activation) for w in widths)
         return [Decision(i, "mlp", opts)] if len(opts) > 1 else []
 
-    def masks(self, d: Decision, parent_block: MlpBlock) -> dict[str, torch.Tensor]:
+    def masks(self, d: Decision[MlpBlock], parent_block: MlpBlock) -> dict[str, torch.Tensor]:
         """Per neuron, on the ``linear_fc2`` input."""
-        return {"out": prefix_rows(parent_block.ffn, [o.ffn for o in d.options])}  # type: ignore[attr-defined]
+        return {"out": prefix_rows(parent_block.ffn, [o.ffn for o in d.options])}
 
-    def mask_sites(self, d: Decision, layer: Any, pb: MlpBlock) -> list:
+    def mask_sites(self, d: Decision[MlpBlock], layer: Any, pb: MlpBlock) -> list:
         return [(layer.mlp.linear_fc2, "out", 1, pb.ffn, True)]
 
-    def kept_importance(self, d: Decision, option: MlpBlock, scores: Any) -> float:
+    def kept_importance(self, d: Decision[MlpBlock], option: MlpBlock, scores: Any) -> float:
         return float(need(scores, "ffn", d)[: option.ffn].sum())
 
     def widths(self, option: MlpBlock) -> tuple[int, ...]:
@@ -83,7 +83,8 @@ class Mlp(Kind):
 
     def roles(self, spec: ArchSpec, b: MlpBlock) -> list[Role]:
         h, f = spec.hidden, b.ffn
-        return [("up", None, (f, h)), ("down", None, (h, f))] + ([("gate", None, (f, h))] if b.gated else [])
+        roles: list[Role] = [("up", None, (f, h)), ("down", None, (h, f))]
+        return roles + ([("gate", None, (f, h))] if b.gated else [])
 
     def refit(self, p: MlpBlock, c: MlpBlock) -> tuple[str, torch.Tensor] | None:
         """``down``'s columns: the first ``F'`` neurons of the sorted parent."""

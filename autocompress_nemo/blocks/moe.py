@@ -115,7 +115,7 @@ class Moe(Kind):
             out.append(Decision(i, "moe_shared", tuple(s)))
         return out
 
-    def merge(self, d: Decision, current: MoeBlock, option: MoeBlock) -> MoeBlock:
+    def merge(self, d: Decision[MoeBlock], current: MoeBlock, option: MoeBlock) -> MoeBlock:
         if d.kind == "moe_routed":
             return dataclasses.replace(
                 current,
@@ -126,8 +126,8 @@ class Moe(Kind):
             )
         return dataclasses.replace(current, shared_ffn=option.shared_ffn)
 
-    def masks(self, d: Decision, pb: MoeBlock) -> dict[str, torch.Tensor]:
-        opts: list[MoeBlock] = list(d.options)  # type: ignore[arg-type]
+    def masks(self, d: Decision[MoeBlock], pb: MoeBlock) -> dict[str, torch.Tensor]:
+        opts: list[MoeBlock] = list(d.options)
         if d.kind == "moe_shared":
             return {"shared": prefix_rows(pb.shared_ffn, [o.shared_ffn for o in opts])}
         ks = sorted({o.top_k for o in opts if o.num_experts})
@@ -139,7 +139,7 @@ class Moe(Kind):
             "topk_values": torch.tensor(ks, dtype=torch.float32).unsqueeze(0),
         }
 
-    def mask_sites(self, d: Decision, layer: Any, pb: MoeBlock) -> list:
+    def mask_sites(self, d: Decision[MoeBlock], layer: Any, pb: MoeBlock) -> list:
         """The shared expert's ``linear_fc2`` input; every local routed expert's (not TP-split: expert
         tensor parallelism is refused). The router's expert / top-k masks are the supernet's own
         routing (``search/supernet.py``), installed when the masks hold ``topk_values``."""
@@ -147,7 +147,7 @@ class Moe(Kind):
             return [(layer.mlp.shared_experts.linear_fc2, "shared", 1, pb.shared_ffn, True)]
         return [(e.linear_fc2, "expert_ffn", 1, pb.expert_ffn, False) for e in layer.mlp.experts.local_experts]
 
-    def kept_importance(self, d: Decision, option: MoeBlock, scores: Any) -> float:
+    def kept_importance(self, d: Decision[MoeBlock], option: MoeBlock, scores: Any) -> float:
         if d.kind == "moe_routed":
             return float(need(scores, "expert_ffn", d)[: option.num_experts, : option.expert_ffn].sum())
         return float(need(scores, "shared_ffn", d)[: option.shared_ffn].sum())
@@ -184,7 +184,8 @@ class Moe(Kind):
         return None
 
     def roles(self, spec: ArchSpec, b: MoeBlock) -> list[Role]:
-        h, out = spec.hidden, []
+        h = spec.hidden
+        out: list[Role] = []
         if b.shared_ffn:
             fs = b.shared_ffn
             out += [("shared_up", None, (fs, h)), ("shared_down", None, (h, fs))]

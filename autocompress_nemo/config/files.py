@@ -431,7 +431,7 @@ def lm_eval_problems(c: dict[str, Any], online: Any = None) -> list[str]:
     if include and not Path(include).expanduser().is_dir():
         return [f"evaluate.lm_eval_include={include} is not a directory; give a directory of lm-eval task YAMLs"]
     try:
-        from lm_eval.tasks import TaskManager  # type: ignore[import-untyped]
+        from lm_eval.tasks import TaskManager
     except ImportError:
         return [f"evaluate.lm_eval_tasks={tasks} need lm-eval (pip install lm-eval), or leave them out"]
     import difflib
@@ -480,7 +480,7 @@ def _task_dataset(tm: Any, task: str) -> str | None:
             )
             if not yaml_path or yaml_path == -1:
                 return None
-            from lm_eval.utils import load_yaml_config  # type: ignore[import-untyped]
+            from lm_eval.utils import load_yaml_config
 
             cfg = load_yaml_config(str(yaml_path))
     except Exception:  # noqa: BLE001 - lm-eval names it when it runs

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -350,7 +350,7 @@ def _engine_caps(name: str) -> dict[str, Any]:
         caps = OmegaConf.to_container(OmegaConf.load(resolve.CONF_DIR / "engine" / f"{name}.yaml").capabilities)
     except Exception:
         return {}
-    return caps if isinstance(caps, dict) else {}
+    return cast(dict[str, Any], caps) if isinstance(caps, dict) else {}  # a YAML mapping: str keys
 
 
 def _targets_using(engines: list[str]) -> list[str]:
@@ -358,7 +358,11 @@ def _targets_using(engines: list[str]) -> list[str]:
     out = []
     for t in resolve.available("target"):
         try:
-            defaults = OmegaConf.to_container(OmegaConf.load(resolve.CONF_DIR / "target" / f"{t}.yaml")).get("defaults")
+            # a target file is a mapping (one that is not fails here and is skipped)
+            target = cast(
+                dict[str, Any], OmegaConf.to_container(OmegaConf.load(resolve.CONF_DIR / "target" / f"{t}.yaml"))
+            )
+            defaults = target.get("defaults")
         except Exception:
             continue
         if any(isinstance(d, dict) and d.get("/engine@engine") in engines for d in defaults or []):

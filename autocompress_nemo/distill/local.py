@@ -98,7 +98,8 @@ class LayerTaps:
             self.handles.append(layer.register_forward_pre_hook(self._pre(i), with_kwargs=True))
             self.handles.append(layer.register_forward_hook(self._post(i)))
             if i in mid:
-                self.handles.append(layer.pre_mlp_layernorm.register_forward_pre_hook(self._mid(i)))
+                # torch types a submodule attribute as Tensor | Module
+                self.handles.append(layer.pre_mlp_layernorm.register_forward_pre_hook(self._mid(i)))  # type: ignore[union-attr]
 
     def _mid(self, i: int) -> Callable[..., Any]:
         def hook(module: torch.nn.Module, args: tuple) -> Any:
@@ -224,7 +225,8 @@ def local_objective(
         cos = torch.stack([p["cosine"] for p in per]).mean()
         total = nmse if loss == "nmse" else cos if loss == "cosine" else nmse + cos
         for t in (tp, ts):
-            t.inputs, t.outputs, t.mids = ([None] * len(t.layers) for _ in range(3))
+            n = len(t.layers)
+            t.inputs, t.outputs, t.mids = [None] * n, [None] * n, [None] * n
         return total, {"nmse": float(nmse.detach()), "cosine": float(cos.detach())}
 
     return Objective("local", step, {"local_loss": loss}, setup, teardown)

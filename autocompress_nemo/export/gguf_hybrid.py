@@ -127,9 +127,8 @@ def layer_arrays(spec: ArchSpec) -> dict[str, list[int]]:
     heads0 = att[0].num_heads
     ff, hc, hkv, eff, k = [], [], [], [], []
     for b in c.blocks:
-        a = isinstance(b, AttentionBlock)
-        hc.append(b.num_heads if a else heads0)
-        hkv.append(b.num_kv_groups if a else 0)
+        hc.append(b.num_heads if isinstance(b, AttentionBlock) else heads0)
+        hkv.append(b.num_kv_groups if isinstance(b, AttentionBlock) else 0)
         if isinstance(b, MoeBlock):
             ff.append(b.expert_ffn)
             eff.append(b.expert_ffn)

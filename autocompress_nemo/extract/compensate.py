@@ -257,7 +257,7 @@ def sequential_refit(
         raise ValueError(f"extract.refit=sequential: {why}; use extract.refit=least_squares")
     names, todo = hf_names(parent), refit_blocks(parent, child)
     p_layers, s_layers = block_layers(parent_model), block_layers(student_model)
-    index = {id(layer): li for li, layer in enumerate(parent_model.decoder.layers)}
+    index = {id(layer): li for li, layer in enumerate(parent_model.decoder.layers)}  # type: ignore[union-attr,arg-type]  # torch: a submodule attribute is Tensor | Module
     by_layer: dict[int, list[int]] = {}
     for i in sorted(todo):
         by_layer.setdefault(index[id(p_layers[i])], []).append(i)
@@ -294,7 +294,7 @@ def sequential_refit(
             g_sp = sum(y.T @ x for y, x in zip(xs, xp, strict=True))
             key = names.key(i, role, None)
             w = sorted_sd[key].double().cpu()
-            v, sliced, fitted = solve(w, g_ss, g_sp, g_pp, kept, ridge)
+            v, sliced, fitted = solve(w, g_ss, g_sp, g_pp, kept, ridge)  # type: ignore[arg-type]  # sums of non-empty taps: Tensors, not typeshed's Tensor | 0
             rec = _record(i, role, kept, w, sliced, fitted, v)
             records.append(rec)
             if not rec.get("kept_slice"):

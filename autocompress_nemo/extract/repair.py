@@ -23,6 +23,7 @@ neurons), the activation proxy of ``ProxyJudge``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from autocompress_nemo.arch.spec import ArchSpec
@@ -143,7 +144,7 @@ def _lazy_greedy(
     dloss: dict[int, float] = {}  # decision -> loss change of its move, as last measured
     moves = 0
     while gap(costs) > 0:
-        cands = _moves(parent, decisions, choices, predict, direction, lambda c, now=costs: move_value(now, c))
+        cands = _moves(parent, decisions, choices, predict, direction, partial(move_value, costs))
         if not cands:
             return choices, moves, None
         unmeasured = [i for i in cands if i not in dloss]

@@ -85,8 +85,9 @@ def _make_config_class() -> type:
     _, HeterogeneousTransformerConfig = _megatron()
     from megatron.core.transformer import TransformerConfig
 
+    # Megatron's class, imported by _megatron() (after the CPU patches): a variable to mypy
     @dataclass
-    class PerLayerTransformerConfig(HeterogeneousTransformerConfig):
+    class PerLayerTransformerConfig(HeterogeneousTransformerConfig):  # type: ignore[misc,valid-type]
         """Megatron's heterogeneous config plus per-layer query heads.
 
         ``per_layer_num_attention_heads[i]`` (0 = the global value) overrides

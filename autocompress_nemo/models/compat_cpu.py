@@ -49,7 +49,7 @@ def cuda_available() -> bool:
 # patch is installed only when ``torch.cuda.is_available()`` is False, so no code that
 # could have used a GPU is redirected.
 def _patch_current_device() -> None:
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]  # torch types it as returning an int index
 
 
 # -- 2. tensor-parallel RNG tracker -----------------------------------------------------------
@@ -62,7 +62,7 @@ def _patch_current_device() -> None:
 def _make_cpu_tracker_class() -> type:
     from megatron.core.tensor_parallel import random as mrandom
 
-    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):  # type: ignore[misc, name-defined]
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
         """Megatron's RNG tracker, keeping CPU generator states instead of CUDA ones."""
 
         def add(self, name: str, seed: int) -> None:
@@ -120,8 +120,8 @@ def _patch_causal_mask() -> None:
     from megatron.core.transformer import utils as tutils
 
     for mod in (tutils, fused_softmax):
-        mod.get_default_causal_mask = _cpu_causal_mask  # type: ignore[attr-defined]
-        mod.get_sliding_window_causal_mask = _cpu_sliding_window_mask  # type: ignore[attr-defined]
+        mod.get_default_causal_mask = _cpu_causal_mask
+        mod.get_sliding_window_causal_mask = _cpu_sliding_window_mask
 
 
 # -- 4. Mamba-2 through mamba-ssm's pure-PyTorch reference ops (hybrid models) ------------------
@@ -335,7 +335,7 @@ def _patch_latent_moe_linear() -> None:
     if moe_layer.HAVE_TE:
         return
     moe_layer.HAVE_TE = True  # only read by the latent-projection assert at construction time
-    moe_layer.TELinear = DuplicatedLinear  # type: ignore[attr-defined]
+    moe_layer.TELinear = DuplicatedLinear
 
 
 # -- 6. torch.compile'd router helper ---------------------------------------------------------------
@@ -404,11 +404,11 @@ class _AllReduceGradOverTP(torch.autograd.Function):
     """Identity forward; backward all-reduces the gradient over the tensor-parallel group."""
 
     @staticmethod
-    def forward(ctx, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, w: torch.Tensor) -> torch.Tensor:
         return w.view_as(w)
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
         from megatron.core import parallel_state
 
         if parallel_state.get_tensor_model_parallel_world_size() > 1:

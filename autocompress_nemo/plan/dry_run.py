@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from omegaconf import OmegaConf
 
@@ -44,6 +44,15 @@ which the estimate does not count: a stage fits when its peak is below 90% of th
 GB = 1e9
 
 
+class _StagePeak(TypedDict):
+    """One pipeline stage's per-GPU memory (``_stage_memory``'s ``pipeline`` entries)."""
+
+    pipeline_stage: int
+    blocks: list[int]
+    bytes: dict[str, float]
+    total: float
+
+
 def _stage_memory(
     stage: str,
     layout: ParallelLayout,
@@ -66,7 +75,7 @@ def _stage_memory(
     ranges = pipeline_stages(model, L.pp, seq_len)
     t_ranges = pipeline_stages(teacher, L.pp, seq_len) if teacher is not None else None
     first, last = mt.embedding_and_head_params(model.vocab, model.hidden, model.tied_embeddings, L.pp)
-    per_stage = []
+    per_stage: list[_StagePeak] = []
     for i, r in enumerate(ranges):
         blocks = [model.blocks[j] for j in r]
         dense, expert = mt.dense_and_expert_params(blocks, model.hidden)

@@ -120,7 +120,7 @@ def moe_activation_bytes(blk: MoeBlock, h: int, s: int, b: int, t: int, etp: int
     routed = 0.0
     if blk.num_experts and blk.expert_ffn:
         per_copy = BF16 * (2 * inner + blk.expert_ffn * (2 if blk.gated else 1))
-        act = BF16 * blk.expert_ffn
+        act: float = BF16 * blk.expert_ffn
         routed = tok * blk.top_k * (per_copy + (0 if recompute == "selective" else act)) / split
         routed += FP32 * tok * blk.num_experts / (t if sp else 1)
     latent = BF16 * tok * 2 * blk.latent / t if blk.latent else 0.0

@@ -37,7 +37,7 @@ def serving_memory(spec: ArchSpec, target: Any) -> dict[str, Any]:
     dtype, kv = str(eng.dtype), str(eng.kv_dtype)
     state = settings.ssm_cache_dtype or kv
     tokens = min(settings.max_num_tokens or MAX_NUM_TOKENS, ctx * batch)
-    out = {
+    out: dict[str, Any] = {
         "weights": memory.weight_bytes(spec, dtype, norm_dtype=dtype),
         "kv_cache": memory.kv_cache_bytes(spec, ctx, batch, kv),
         "ssm_state": memory.ssm_state_bytes(spec, batch, state),

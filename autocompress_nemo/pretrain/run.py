@@ -34,7 +34,7 @@ import shutil
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -121,7 +121,7 @@ def _check_data(cfg: DictConfig, r: dict[str, Any], own_dir: bool) -> dict[str, 
                 f"gives it, but this command changes data.{', data.'.join(differ)}; drop those overrides, or build "
                 "into a directory of your own with model.source.path=<dir>"
             )
-    return data
+    return cast(dict[str, Any], data)  # a config section: str keys
 
 
 def measured_where() -> dict[str, Any]:

@@ -107,7 +107,8 @@ class Accumulator:
         during the calibration pass)."""
         key = (id(mod), what)
         if key not in self._consts:
-            self._consts[key] = fn(mod.weight.detach().double())
+            # torch types a module attribute as Tensor | Module
+            self._consts[key] = fn(mod.weight.detach().double())  # type: ignore[operator]
         return self._consts[key]
 
     def head_norms(self, proj: torch.nn.Module, key: Hashable, head_dim: int) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -134,7 +134,7 @@ def collect_importance(
             "collect_importance: run the calibration pass of MoE / Mamba models without sequence parallelism"
         )
     (tp, _), (ep, ep_group), (etp, _) = groups["tp"], groups["ep"], groups["etp"]
-    if etp != tp and any(b.kind == "moe" and b.num_experts for b in spec.blocks):  # type: ignore[attr-defined]
+    if etp != tp and any(b.kind == "moe" and b.num_experts for b in spec.blocks):
         raise ValueError(
             f"collect_importance: expert tensor parallel size {etp} != tensor parallel size {tp}; "
             "run the rank stage with cluster.etp equal to cluster.tp (or 0)"
@@ -155,7 +155,7 @@ def collect_importance(
         if key == "hidden":
             out.hidden = v
         else:
-            i, name = key  # type: ignore[misc]
+            i, name = cast(tuple[int, str], key)  # every key but the hidden one: (block, score name)
             out.blocks[i][name] = v
     if out.hidden is None:
         out.hidden = torch.zeros(spec.hidden, dtype=torch.float64)

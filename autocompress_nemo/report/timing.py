@@ -69,13 +69,13 @@ def timing_section(res: dict[str, Any]) -> list[str]:
             "budgets are checked as ratios; absolute ones as the ratio times the parent's time measured with it.",
             "",
         ]
-    cond = [
+    per_stage = [
         _conditions("profile (cost table)", t.get("profile")),
         _conditions("validate", t.get("validate")),
         *(_conditions(f"check before slicing, {k}", r) for k, r in (t.get("verify") or {}).items()),
         _conditions("evaluate", t.get("evaluate")),
     ]
-    cond = [c for c in cond if c]
+    cond = [c for c in per_stage if c]
     if cond:
         out += [
             table(

@@ -26,9 +26,11 @@ def train_batches(ctx: Context, d: Any) -> Callable[[int], torch.Tensor]:
     return lambda step: ctx.batch_at("train", step, bs, seq, seed_offset=29)
 
 
-def run(ctx: Context, out: Path, rank: RankDir, student: ExtractDir, ckpt_dir: Path) -> None:
+def run(ctx: Context, out: Path, rank: RankDir, student: ExtractDir, ckpt_dir: Path | None) -> None:
     from autocompress_nemo.distill.recover import distill as run_distill
     from autocompress_nemo.stages.reconstruct import split_tokens
+
+    assert ckpt_dir is not None  # a resumable stage: the runner gives it its checkpoint directory
 
     local, global_tokens = split_tokens(ctx.cfg)
     d = OmegaConf.merge(ctx.cfg.distill, {"tokens": global_tokens})  # the rest of the recovery budget

@@ -37,7 +37,7 @@ def heldout_perplexity(
             if teacher is not None:
                 kd.append(float(kd_loss(logits, ctx.forward(teacher, x))))
     mean = sum(nll) / len(nll)
-    out = {
+    out: dict[str, Any] = {
         "heldout_nll": mean,
         "heldout_ppl": float(torch.tensor(mean).exp()),
         "heldout_tokens": sum(x.numel() for x in batches),

@@ -15,6 +15,7 @@ import torch
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.context import Context, load_weights
 from autocompress_nemo.costs.engines import engine_class, get_engine
+from autocompress_nemo.costs.engines.hf_llm import HfLlmEngine
 from autocompress_nemo.export.gguf_hybrid import gguf_problems, is_hybrid
 from autocompress_nemo.stages.declare import DATA, LAYOUT, STUDENT, Stage, reads
 from autocompress_nemo.stages.layout import DistillDir, ExportDir
@@ -69,6 +70,7 @@ def export_engine_parity(ctx: Context, spec: ArchSpec, sd: dict[str, torch.Tenso
     from autocompress_nemo.export.parity import ExportParityError
 
     engine = get_engine(ctx.cfg.target, workdir=art.dir / "engine_work")
+    assert isinstance(engine, HfLlmEngine)  # called for vllm / trtllm targets only
     toks = _parity_tokens(ctx)
     rows = engine.prompt_logprobs(art.hf, toks, 20)
     with torch.no_grad():

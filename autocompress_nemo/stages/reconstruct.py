@@ -155,8 +155,10 @@ def local_flops_per_token(parent: Any, student: Any, seq: int) -> float:
     return forward_flops_per_token(parent, seq, head=False) + 3 * forward_flops_per_token(student, seq, head=False)
 
 
-def run(ctx: Context, out: Path, rank: RankDir, student: ExtractDir, ckpt_dir: Path) -> None:
+def run(ctx: Context, out: Path, rank: RankDir, student: ExtractDir, ckpt_dir: Path | None) -> None:
     from autocompress_nemo.distill.local import layer_problem
+
+    assert ckpt_dir is not None  # a resumable stage: the runner gives it its checkpoint directory
 
     local, rest = split_tokens(ctx.cfg)
     pspec, psd = load_weights(rank.dir)

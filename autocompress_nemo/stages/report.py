@@ -103,9 +103,9 @@ def collect_results(
     res["quality_curve"] = read_curve(d, suffix)
     res["timing"] = _timing(prov, res.get("validation") or {}, res["methods"], ev.get("timing") or {})
     for p in sorted(d.iterdir()):
-        m = read_manifest(p) if p.is_dir() else None
-        if m and ("@" not in p.name or p.name.endswith(suffix or "@")):  # a family: this budget's stages
-            res["stages_wall_s"][p.name] = m.get("wall_s")
+        manifest = read_manifest(p) if p.is_dir() else None
+        if manifest and ("@" not in p.name or p.name.endswith(suffix or "@")):  # a family: this budget's stages
+            res["stages_wall_s"][p.name] = manifest.get("wall_s")
     return res
 
 

@@ -13,7 +13,12 @@ from autocompress_nemo.arch.counts import forward_flops_per_token, param_count
 from autocompress_nemo.arch.spec import ArchSpec
 from autocompress_nemo.blocks import describe
 from autocompress_nemo.context import Context, load_weights, read_json
-from autocompress_nemo.search.autocompress import ParentMeetsBudget, check_budget_reachable, run_router_search
+from autocompress_nemo.search.autocompress import (
+    ParentMeetsBudget,
+    SearchOutcome,
+    check_budget_reachable,
+    run_router_search,
+)
 from autocompress_nemo.search.family import family_record, family_steps, load_supernet, save_supernet
 from autocompress_nemo.search.minitron import run_minitron_pp
 from autocompress_nemo.search.space import apply_choices, build_space
@@ -168,6 +173,7 @@ def _explore(
     was read of a supernet."""
     s = ctx.cfg.search
     family = bool(list(s.get("budgets") or []))
+    read: dict[str, Any]
     steps, read, start_sd = int(s.steps), {}, sd
     if family and supernet is not None and meth.shares_supernet:
         trained, read = load_supernet(supernet)
@@ -182,7 +188,7 @@ def _explore(
 
     shared = (model, spec, decisions, costs, budget, batch_at, ctx.forward, s)
     if not meth.router:
-        outcome = run_minitron_pp(
+        outcome: SearchOutcome = run_minitron_pp(
             *shared, log=ctx.say, fresh_model=lambda: ctx.model(spec, sd), checkpoint=str(ckpt_dir / "candidates.json")
         )
         return outcome, model, steps, read
@@ -387,7 +393,7 @@ def verify_measured(
                     reference={k: v for k, v in m.reference.items() if k not in ("memory", "flags")},
                 )
             out = [(measured_metrics(m, wl, child), b_now, info)]
-        return rank0s(out[0])  # type: ignore[no-any-return]
+        return rank0s(out[0])
 
     try:
         return verify(

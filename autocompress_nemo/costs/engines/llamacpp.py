@@ -407,6 +407,7 @@ class _LlamaLive:
     def _run(self, tokens: list[tuple[int, int, int, bool]]) -> tuple[float, float]:
         """One ``llama_decode`` + ``llama_synchronize``: (clock ms, wall ms)."""
         L, batch = self.L, self.batch
+        assert batch is not None, "a timed run of a model opened with timing=False"
         batch.n_tokens = len(tokens)
         for j, (tok, pos, seq, logit) in enumerate(tokens):
             batch.token[j] = tok

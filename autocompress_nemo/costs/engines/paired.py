@@ -206,8 +206,8 @@ def measure_interleaved(
     info = ref_info if timing else None
     out = [_measurement(series[i], mems[i], walls[i], sched, info, scale, names[i], timing) for i in range(n)]
     if out and not timing:
-        for m in out:
-            m.wall_s = wall_all / n
+        for meas in out:
+            meas.wall_s = wall_all / n
     return out
 
 
@@ -313,6 +313,7 @@ def _apply_ratios(
         meas.ratio[p] = ratio
         meas.ratio_spread[p] = {"n": len(q), "rel_iqr": rel_iqr(q), "min": min(q), "max": max(q)}
         base = (scale or {}).get(p) or ref.get(p)
+        assert base is not None  # a ratio of p exists only where the reference timed p
         setattr(meas, p, ratio * float(base))
         if rel_iqr(q) > tol:
             meas.flags.append(

@@ -329,9 +329,9 @@ class TorchEagerEngine(CpuTimedEngine):
         try:
             return call_project_worker(self, "autocompress_nemo.costs.engines.torch_eager", req, log)
         finally:
-            for f in files:
-                if f:
-                    Path(f).unlink(missing_ok=True)
+            for name in files:
+                if name:
+                    Path(name).unlink(missing_ok=True)
 
     def _groups(self, specs: list[ArchSpec]) -> list[list[int]]:
         """Consecutive groups of models whose weights together fit ``settings.hold_bytes``."""
@@ -357,6 +357,9 @@ class _Live:
     A *turn* = ``repeats`` prefills of ``batch x input_len`` (fresh cache; one untimed warm-up in the
     first turn) and ``decode_warmup`` untimed + ``steps`` timed decode steps at context ``C``
     (each step's token is cropped from the attention KV cache again)."""
+
+    model: torch.nn.Module | None
+    """The model; None once closed."""
 
     def __init__(
         self, model: torch.nn.Module, spec: ArchSpec, wl: Workload, engine: TorchEagerEngine, cpu_clock: bool
@@ -384,6 +387,7 @@ class _Live:
 
     def _fwd(self, ids: torch.Tensor, cache: Any, past: int = 0) -> tuple[tuple[float, float], Any]:
         """One forward; ((clock ms, wall ms), cache). Positions given: a model without attention has no KV length."""
+        assert self.model is not None, "forward on a closed model"
         pos = torch.arange(past, past + ids.shape[1])[None].expand(ids.shape[0], -1)
         c, t = time.thread_time(), time.perf_counter()
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, position_ids=pos)

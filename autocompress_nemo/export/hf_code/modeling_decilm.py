@@ -109,7 +109,8 @@ class DeciLMModel(DeciLMPreTrainedModel):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
+    # transformers types the argument nn.Module; this model's embedding is an nn.Embedding
+    def set_input_embeddings(self, value: nn.Embedding) -> None:  # type: ignore[override]
         self.embed_tokens = value
 
     def forward(
@@ -132,7 +133,8 @@ class DeciLMModel(DeciLMPreTrainedModel):
             cache = DynamicCache(config=self.config)
         if position_ids is None:
             seen = cache.get_seq_length() if cache is not None else 0
-            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + seen).unsqueeze(0)
+            # torch types arange(...) as Tensor, never LongTensor
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + seen).unsqueeze(0)  # type: ignore[assignment]
         mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
@@ -144,7 +146,8 @@ class DeciLMModel(DeciLMPreTrainedModel):
         hidden_states = inputs_embeds
         for layer in self.layers:
             hidden_states = layer(hidden_states, position_embeddings, mask, cache, position_ids=position_ids, **kwargs)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{_OUT_CACHE_KW: cache})
+        # the cache field's name is the installed transformers' (_OUT_CACHE_KW), which mypy cannot match
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{_OUT_CACHE_KW: cache})  # type: ignore[arg-type]
 
 
 class DeciLMForCausalLM(DeciLMPreTrainedModel, GenerationMixin):
@@ -160,7 +163,8 @@ class DeciLMForCausalLM(DeciLMPreTrainedModel, GenerationMixin):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
+    # transformers types the argument nn.Module; this model's embedding is an nn.Embedding
+    def set_input_embeddings(self, value: nn.Embedding) -> None:  # type: ignore[override]
         self.model.embed_tokens = value
 
     def get_output_embeddings(self) -> nn.Linear:

@@ -111,7 +111,7 @@ def build_hybrid_model(
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
         share_embeddings_and_output_weights=spec.tied_embeddings,
-        position_embedding_type=fam.position_embedding,  # type: ignore[arg-type]
+        position_embedding_type=fam.position_embedding,
         rotary_base=int(spec.rope_theta),
     )
     if torch.cuda.is_available():

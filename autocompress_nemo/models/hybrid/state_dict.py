@@ -215,9 +215,9 @@ def _all_gather(t: torch.Tensor, n: int, group: Any) -> list[torch.Tensor]:
 def unshard(spec: ArchSpec, names: HfNames, s: Slot, t: torch.Tensor, n: int, group: Any) -> dict[str, torch.Tensor]:
     """Full Hugging Face tensor(s) of slot ``s`` from this rank's shard (collective over ``group``)."""
     if s.block < 0:
-        key = {"embed": names.embed, "final_norm": names.final_norm, "lm_head": names.lm_head}[s.role]
+        name = {"embed": names.embed, "final_norm": names.final_norm, "lm_head": names.lm_head}[s.role]
         full = torch.cat(_all_gather(t, n, group)) if s.layout == "vocab" else t.detach()
-        return {key: full[: spec.vocab] if s.layout == "vocab" else full}
+        return {name: full[: spec.vocab] if s.layout == "vocab" else full}
     b = spec.blocks[s.block]
 
     def key(role: str) -> str:

@@ -31,7 +31,8 @@ def _layer_config(spec: ArchSpec, heads: int, kv: int, ffn: int, head_dim: int) 
         num_key_value_heads=1,
         head_dim=head_dim,
         rms_norm_eps=spec.norm_eps,
-        rope_theta=spec.rope_theta,
+        # transformers 5 types LlamaConfig without the rope_theta keyword it still takes (4.x's spelling)
+        rope_theta=spec.rope_theta,  # type: ignore[call-arg]
         max_position_embeddings=spec.max_position,
         attention_bias=False,
         mlp_bias=False,
@@ -82,11 +83,11 @@ class ReferenceLlama(torch.nn.Module):
         x = self.embed_tokens(input_ids_BT)
         pos = torch.arange(T).unsqueeze(0).expand(B, T)
         cos_sin = self.rotary(x, pos)
-        for layer in self.layers:
+        for layer in self.layers:  # torch types a submodule attribute as Tensor | Module
             if hasattr(layer, "self_attn"):
-                x = x + layer.self_attn(layer.input_layernorm(x), position_embeddings=cos_sin, attention_mask=None)[0]
+                x = x + layer.self_attn(layer.input_layernorm(x), position_embeddings=cos_sin, attention_mask=None)[0]  # type: ignore[operator]
             if hasattr(layer, "mlp"):
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                x = x + layer.mlp(layer.post_attention_layernorm(x))  # type: ignore[operator]
         return self.lm_head(self.norm(x)).float()
 
 

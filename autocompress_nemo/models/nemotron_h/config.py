@@ -182,7 +182,7 @@ def hf_config_from_spec(spec: ArchSpec, engine: HfLoader | str = "") -> dict[str
 
 def _block_config(b: Block, cfg: dict[str, Any]) -> dict[str, Any]:
     if isinstance(b, MoeBlock):
-        d = {
+        d: dict[str, Any] = {
             "block_type": "moe",
             "n_routed_experts": b.num_experts,
             "num_experts_per_tok": b.top_k,
@@ -197,7 +197,7 @@ def _block_config(b: Block, cfg: dict[str, Any]) -> dict[str, Any]:
     if isinstance(b, MlpBlock):
         return {"block_type": "mlp", "intermediate_size": b.ffn}
     if isinstance(b, MambaBlock):
-        d: dict[str, Any] = {"block_type": "mamba"}
+        d = {"block_type": "mamba"}
         for key, v in (("mamba_num_heads", b.num_heads), ("ssm_state_size", b.state_size), ("n_groups", b.num_groups)):
             if v != cfg.get(key):
                 d[key] = v

@@ -60,10 +60,13 @@ import os
 import random
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _protocol import serve, timed_pairs  # noqa: E402
+if TYPE_CHECKING:  # checked as the package's module; run by the engine's interpreter, it is imported by path
+    from autocompress_nemo.costs.engines.workers._protocol import serve, timed_pairs
+else:
+    from _protocol import serve, timed_pairs  # noqa: E402
 
 _DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "fp8": "bfloat16"}
 _KV_DTYPES = {"fp8": "fp8", "f16": "auto", "bf16": "auto", "f32": "auto"}
@@ -224,7 +227,7 @@ def _memory(
 
     batch, ctx = max(1, int(wl["batch"])), int(wl["context_len"])
     stats = _stats(llm)
-    kv_stats = next((s["kvCacheStats"] for s in reversed(stats) if s.get("kvCacheStats")), {})
+    kv_stats: dict[str, Any] = next((s["kvCacheStats"] for s in reversed(stats) if s.get("kvCacheStats")), {})
     report: dict[str, Any] = {"iteration_stats": stats[-1] if stats else {}}
     if engine is not None:
         kvm = _kv_manager(engine)

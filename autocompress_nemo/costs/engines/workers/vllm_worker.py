@@ -27,12 +27,15 @@ import platform
 import random
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # ``collective_rpc`` with our own function (memory read-out in vLLM's worker) is pickled: allow it
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-from _protocol import serve, timed_pairs  # noqa: E402
+if TYPE_CHECKING:  # checked as the package's module; run by the engine's interpreter, it is imported by path
+    from autocompress_nemo.costs.engines.workers._protocol import serve, timed_pairs
+else:
+    from _protocol import serve, timed_pairs  # noqa: E402
 
 _DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "fp8": "bfloat16"}
 
