@@ -73,3 +73,24 @@ def test_the_width_plot_draws_every_kind_of_every_model(tmp_path) -> None:
     res = {"models": {"parent": {"arch": spec, "label": "parent"}, "autocompress": {"arch": child, "label": "AC"}}}
     out = plot_widths(res, tmp_path / "widths.png")
     assert out == tmp_path / "widths.png" and out.stat().st_size > 1000
+
+
+def test_forward_flops_count_a_mamba_scan_not_attention_scores() -> None:
+    """``forward_flops_per_token`` asks each kind for its mixing FLOPs: attention grows with the
+    sequence (the full square on CPU), a Mamba block's scan does not (it was charged attention
+    scores, ``2 * seq * heads * head_dim``, for having ``num_heads``)."""
+    from autocompress_nemo.arch.counts import block_params, forward_flops_per_token
+    from autocompress_nemo.arch.from_config import spec_from_model_config
+    from autocompress_nemo.arch.spec import AttentionBlock, MambaBlock
+    from autocompress_nemo.config.entry import compose
+
+    hybrid = spec_from_model_config(compose(["model=tiny_hybrid"]).model)
+    mamba = [b for b in hybrid.blocks if isinstance(b, MambaBlock)]
+    attn = [b for b in hybrid.blocks if isinstance(b, AttentionBlock) and not b.removed]
+    assert mamba and attn
+    grow = forward_flops_per_token(hybrid, 1024, head=False) - forward_flops_per_token(hybrid, 128, head=False)
+    assert grow == pytest.approx(4.0 * (1024 - 128) * sum(b.num_heads * b.head_dim for b in attn))
+    weights = 2.0 * sum(block_params(b, hybrid.hidden, active=True) for b in hybrid.blocks)
+    scans = sum(6.0 * b.d_inner * b.state_size for b in mamba)
+    scores = sum(4.0 * 128 * b.num_heads * b.head_dim for b in attn)
+    assert forward_flops_per_token(hybrid, 128, head=False) == pytest.approx(weights + scans + scores)
