@@ -17,6 +17,22 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 os.environ.setdefault("ACN_PROFILE_CACHE", tempfile.mkdtemp(prefix="acn-profiles-"))
 
 
+def _threads_per_worker() -> int:
+    """Torch / OpenMP threads per test process: the cores shared out among pytest-xdist's workers
+    (``ACN_TEST_THREADS`` overrides). Two workers of two threads each on two cores oversubscribe
+    them (``bench/bench_test_threads.py``: 0.81x the time with one thread each; test_own_model_e2e.py with
+    test_pipeline_engine.py under ``-n 2``: 307 s against 376 s, measured here 2026-12-08)."""
+    if os.environ.get("ACN_TEST_THREADS"):
+        return max(1, int(os.environ["ACN_TEST_THREADS"]))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    return max(1, len(os.sched_getaffinity(0)) // workers)
+
+
+TEST_THREADS = _threads_per_worker()
+os.environ.setdefault("OMP_NUM_THREADS", str(TEST_THREADS))  # the stage processes a test starts inherit it
+torch.set_num_threads(TEST_THREADS)
+
+
 @pytest.fixture(scope="session")
 def megatron_tp1():
     """torch.distributed (gloo, 1 process) + Megatron parallel state at TP=1, for the session.
@@ -25,7 +41,7 @@ def megatron_tp1():
     ``init_distributed(tp=1)``, which is idempotent."""
     from autocompress_nemo.distributed import init_distributed, teardown
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(TEST_THREADS)
     init_distributed(tp=1, seed=0)
     yield
     teardown()
