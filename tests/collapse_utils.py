@@ -63,12 +63,15 @@ class Setup:
     importance: list[list[float]]
     search_cfg: Any
     judge: Any = None
+    judge_seq: int = SEQ
+    """Tokens per row of the KD judge's batch (2 rows): 128, as search.judge_batches / judge_seq_len."""
 
     def kd_judge(self) -> Any:
         from autocompress_nemo.search.judge import KdJudge
 
-        if self.judge is None:  # 2 x 128 calibration tokens, as search.judge_batches / judge_seq_len
-            self.judge = KdJudge(self.model, self.parent, self.decisions, [self.calib[-2:]], forward_logits)
+        if self.judge is None:
+            batch = self.calib[-2:, : self.judge_seq]
+            self.judge = KdJudge(self.model, self.parent, self.decisions, [batch], forward_logits)
         return self.judge
 
     def settler(self, grow: float | None = 0.1, judge: Any = None, router_kd: float | None = None) -> Any:

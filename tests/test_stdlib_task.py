@@ -36,7 +36,8 @@ def test_lm_eval_scores_an_oracle(tmp_path) -> None:
     so the task's fields (context, choices, label) reach lm-eval as intended."""
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.api.model import LM
-    from lm_eval.tasks import TaskManager
+
+    from autocompress_nemo.evaluate.lm_eval_adapter import task_manager
 
     d = write_task(tmp_path / "tasks", TEXTS, n_items=12, seed=1)
     truth = {}
@@ -54,7 +55,16 @@ def test_lm_eval_scores_an_oracle(tmp_path) -> None:
         def generate_until(self, requests, disable_tqdm=False):
             raise AssertionError("not used")
 
-    res = lm_eval.simple_evaluate(
-        model=Oracle(), tasks=[TASK], task_manager=TaskManager(include_path=str(d)), bootstrap_iters=0
-    )
+    tm = task_manager(str(d), [TASK])
+    assert set(tm.all_tasks) == {TASK}  # only the local directory indexed, not lm-eval's own ~14k entries
+    res = lm_eval.simple_evaluate(model=Oracle(), tasks=[TASK], task_manager=tm, bootstrap_iters=0)
     assert res["results"][TASK]["acc,none"] == 1.0
+
+
+def test_a_task_that_is_not_local_gets_lm_evals_own_index(tmp_path) -> None:
+    pytest.importorskip("lm_eval")
+    from autocompress_nemo.evaluate.lm_eval_adapter import task_manager
+
+    d = write_task(tmp_path / "tasks", TEXTS, n_items=12, seed=1)
+    known = set(task_manager(str(d), [TASK, "arc_easy"]).all_tasks)
+    assert {TASK, "arc_easy"} <= known
