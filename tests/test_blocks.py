@@ -94,3 +94,19 @@ def test_forward_flops_count_a_mamba_scan_not_attention_scores() -> None:
     scans = sum(6.0 * b.d_inner * b.state_size for b in mamba)
     scores = sum(4.0 * 128 * b.num_heads * b.head_dim for b in attn)
     assert forward_flops_per_token(hybrid, 128, head=False) == pytest.approx(weights + scans + scores)
+
+
+def test_only_routed_experts_are_split_by_expert_tensor_parallelism() -> None:
+    """The rank stage refuses ``etp != tp`` for a parent with routed experts; the kind says which
+    blocks those are (a shared-expert-only MoE part and the other kinds are not split by it)."""
+    from autocompress_nemo.arch.from_config import spec_from_model_config
+    from autocompress_nemo.arch.spec import MoeBlock
+    from autocompress_nemo.blocks import kind_of
+    from autocompress_nemo.config.entry import compose
+
+    hybrid = spec_from_model_config(compose(["model=tiny_hybrid"]).model)
+    split = {b.kind for b in hybrid.blocks if kind_of(b).expert_tensor_parallel(b)}
+    assert split == {"moe"}
+    assert {b.kind for b in hybrid.blocks} >= {"attention", "mlp", "mamba", "moe"}
+    shared_only = MoeBlock(0, 0, 0, 64, 0, "relu2")
+    assert not kind_of(shared_only).expert_tensor_parallel(shared_only)

@@ -160,6 +160,10 @@ class Kind(ABC):
     def shard_problem(self, block: Any, tp: int, ep: int, etp: int) -> str | None:
         """Why the block cannot be split at these parallel sizes (None: it can)."""
 
+    def expert_tensor_parallel(self, block: Any) -> bool:
+        """Whether the block holds weights that expert tensor parallelism splits (routed experts)."""
+        return False
+
     def capability_problems(self, i: int, block: Any, ref: Any, caps: Any) -> list[str]:
         """Why block ``i`` is not served under the engine's capabilities (``EngineCapabilities``),
         judged against ``ref`` (the parent's first block of this kind, or None): here, a removed

@@ -326,6 +326,9 @@ class Moe(Kind):
             out.append(f"shared-expert ffn {b.shared_ffn} vs TP={tp}")
         return "; ".join(out) or None
 
+    def expert_tensor_parallel(self, b: MoeBlock) -> bool:
+        return bool(b.num_experts)
+
     def min_block(self, b: MoeBlock, caps: Any) -> MoeBlock:
         if caps.remove_moe:
             return MoeBlock(0, 0, 0, 0, b.latent, b.activation)

@@ -134,7 +134,7 @@ def collect_importance(
             "collect_importance: run the calibration pass of MoE / Mamba models without sequence parallelism"
         )
     (tp, _), (ep, ep_group), (etp, _) = groups["tp"], groups["ep"], groups["etp"]
-    if etp != tp and any(b.kind == "moe" and b.num_experts for b in spec.blocks):
+    if etp != tp and any(kind_of(b).expert_tensor_parallel(b) for b in spec.blocks):
         raise ValueError(
             f"collect_importance: expert tensor parallel size {etp} != tensor parallel size {tp}; "
             "run the rank stage with cluster.etp equal to cluster.tp (or 0)"
