@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BOUNDS = {"kind_switches": 32, "engine_switches": 0, "method_switches": 0, "local_imports": 552, "long_functions": 0}
+BOUNDS = {"kind_switches": 31, "engine_switches": 0, "method_switches": 0, "local_imports": 552, "long_functions": 0}
 """Measured at the end of the session that wrote this test (1ddc799 + issue 35 round 1: 54 / 13 / 14 / 448 / 15)."""
 
 

@@ -105,6 +105,15 @@ class Attention(Kind):
             return t[:, _rows(p, c)]
         return super().slice(p, c, role, t, shape)  # k, v (+ biases): the first G' groups; norms
 
+    def gguf_matrices(self, b: AttentionBlock, hidden: int) -> list[tuple[str, tuple[int, int]]]:
+        q, kv = b.num_heads * b.head_dim, b.num_kv_groups * b.head_dim
+        return [
+            ("attn_q", (hidden, q)),
+            ("attn_k", (hidden, kv)),
+            ("attn_v", (hidden, kv)),
+            ("attn_output", (q, hidden)),
+        ]
+
     def roles(self, spec: ArchSpec, b: AttentionBlock) -> list[Role]:
         h, d = spec.hidden, b.head_dim
         q, kv = b.num_heads * d, b.num_kv_groups * d

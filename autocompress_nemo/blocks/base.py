@@ -160,6 +160,11 @@ class Kind(ABC):
     def shard_problem(self, block: Any, tp: int, ep: int, etp: int) -> str | None:
         """Why the block cannot be split at these parallel sizes (None: it can)."""
 
+    def gguf_matrices(self, block: Any, hidden: int) -> list[tuple[str, tuple[int, int]]]:
+        """The block's GGUF weight matrices ``(llama.cpp tensor role, shape)``, for pricing a quantized
+        GGUF (``costs/memory.block_weight_bytes``); kinds it does not price have none."""
+        return []
+
     def expert_tensor_parallel(self, block: Any) -> bool:
         """Whether the block holds weights that expert tensor parallelism splits (routed experts)."""
         return False

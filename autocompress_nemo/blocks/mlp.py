@@ -81,6 +81,9 @@ class Mlp(Kind):
     def prefix_problem(self, p: MlpBlock, c: MlpBlock) -> str | None:
         return f"ffn {c.ffn} > parent's {p.ffn}" if c.ffn > p.ffn else None
 
+    def gguf_matrices(self, b: MlpBlock, hidden: int) -> list[tuple[str, tuple[int, int]]]:
+        return [("ffn_gate", (hidden, b.ffn)), ("ffn_up", (hidden, b.ffn)), ("ffn_down", (b.ffn, hidden))]
+
     def roles(self, spec: ArchSpec, b: MlpBlock) -> list[Role]:
         h, f = spec.hidden, b.ffn
         roles: list[Role] = [("up", None, (f, h)), ("down", None, (h, f))]

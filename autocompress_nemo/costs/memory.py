@@ -17,10 +17,9 @@ sequences) are engine constants, calibrated from what the engine reports while p
 from __future__ import annotations
 
 import math
-from typing import cast
 
 from autocompress_nemo.arch.counts import block_params, kv_bytes_per_token, state_elements
-from autocompress_nemo.arch.spec import ArchSpec, AttentionBlock, Block, MlpBlock
+from autocompress_nemo.arch.spec import ArchSpec, Block
 from autocompress_nemo.blocks import kind_of
 from autocompress_nemo.costs.gguf_types import (
     GGML_BLOCK,
@@ -63,25 +62,6 @@ def _gguf_priced(dtype: str, kinds: set[str]) -> bool:
     return is_quantized(dtype) and kinds <= {"attention", "mlp"}
 
 
-def _attention_shapes(b: AttentionBlock, hidden: int) -> list[tuple[str, tuple[int, int]]]:
-    """The GGUF matrices of an attention block (``block_weight_bytes``)."""
-    return [
-        ("attn_q", (hidden, b.num_heads * b.head_dim)),
-        ("attn_k", (hidden, b.num_kv_groups * b.head_dim)),
-        ("attn_v", (hidden, b.num_kv_groups * b.head_dim)),
-        ("attn_output", (b.num_heads * b.head_dim, hidden)),
-    ]
-
-
-def _mlp_shapes(b: MlpBlock, hidden: int) -> list[tuple[str, tuple[int, int]]]:
-    """The GGUF matrices of an mlp block (``block_weight_bytes``)."""
-    return [
-        ("ffn_gate", (hidden, b.ffn)),
-        ("ffn_up", (hidden, b.ffn)),
-        ("ffn_down", (b.ffn, hidden)),
-    ]
-
-
 def block_weight_bytes(b: Block, hidden: int, dtype: str, norm_dtype: str = "f32", active: bool = False) -> float:
     """Weights of one block: ``(P - p_small) * b(dtype) + p_small * b(norm_dtype)``.
 
@@ -95,11 +75,7 @@ def block_weight_bytes(b: Block, hidden: int, dtype: str, norm_dtype: str = "f32
     """
     if not b.removed and _gguf_priced(dtype, {b.kind}):
         s = small_params(b, hidden)
-        # each entry is called only for its own kind (b.kind picks it), so its cast holds
-        shapes = {
-            "attention": lambda: _attention_shapes(cast(AttentionBlock, b), hidden),
-            "mlp": lambda: _mlp_shapes(cast(MlpBlock, b), hidden),
-        }[b.kind]()
+        shapes = kind_of(b).gguf_matrices(b, hidden)
         return sum(role_bytes(dtype, r, sh, more_bits=MORE_BITS_SHARE) for r, sh in shapes) + s * 4
     p = block_params(b, hidden, active=active)
     s = small_params(b, hidden)
